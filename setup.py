@@ -1,0 +1,64 @@
+"""Declares the optional native extension; everything else lives in pyproject.toml.
+
+The extension reads interpreter internals, so it is built per CPython minor version
+(3.10-3.13, no stable ABI) and never for interpreters it was not written for (3.14+,
+free-threaded builds). Without a compiler the pure-Python package still installs,
+unless INTERLACE_REQUIRE_EXTENSIONS=1 asks for a loud failure.
+"""
+
+import os
+import sys
+import sysconfig
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+REQUIRE = os.environ.get("INTERLACE_REQUIRE_EXTENSIONS") == "1"
+SKIP = os.environ.get("INTERLACE_NO_EXTENSIONS") == "1"
+SUPPORTED = (
+    sys.implementation.name == "cpython"
+    and (3, 10) <= sys.version_info[:2] <= (3, 13)
+    and not sysconfig.get_config_var("Py_GIL_DISABLED")
+)
+
+
+class OptionalBuildExt(build_ext):
+    """Build the extension, but fall back to the pure-Python twin if that fails."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as error:  # noqa: BLE001 - any build failure means "use the twin"
+            self._fallback(error)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as error:  # noqa: BLE001
+            self._fallback(error)
+
+    def _fallback(self, error):
+        if REQUIRE:
+            raise
+        print(f"interlace: native extension not built ({error}); using the pure-Python twin")
+
+
+def extensions():
+    if SKIP or not SUPPORTED:
+        if REQUIRE:
+            raise SystemExit(
+                f"interlace: INTERLACE_REQUIRE_EXTENSIONS=1 but the extension is not built for "
+                f"{sys.implementation.name} {sys.version.split()[0]}"
+            )
+        return []
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    return cythonize(
+        [Extension("interlace._cnative", ["csrc/_cnative.pyx"], include_dirs=["csrc"])],
+        compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
+        quiet=True,
+    )
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,55 @@
+"""interlace: read and edit the internals of PyTorch models while they run.
+
+`import interlace` is torch-free: the tracer core loads eagerly, while the names that
+need torch or transformers (`Model`, `NNsight`, `Envoy`, `LanguageModel`) load on first
+use through the module `__getattr__` below.
+"""
+
+from ._native import native
+from .errors import (
+    InterlaceError,
+    IterationCutShortWarning,
+    OutOfOrderError,
+    UnsupportedBlockError,
+    WithBlockNotFoundError,
+)
+from .tracing import Backend, Tracer, save
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute); imported on first access so torch stays optional.
+_LAZY = {
+    "Model": ("interlace.models.model", "Model"),
+    "NNsight": ("interlace.models.model", "Model"),
+    "Envoy": ("interlace.intervention.envoy", "Envoy"),
+    "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
+}
+
+__all__ = [
+    "native",
+    "InterlaceError",
+    "WithBlockNotFoundError",
+    "UnsupportedBlockError",
+    "OutOfOrderError",
+    "IterationCutShortWarning",
+    "Tracer",
+    "Backend",
+    "save",
+    *_LAZY,
+]
+
+
+def __getattr__(name):
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'interlace' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,32 @@
+"""Every error and warning a user of interlace can see.
+
+Kept in one torch-free leaf module so that `tracing`, `intervention` and `models`
+can all raise them without importing each other.
+"""
+
+
+class InterlaceError(Exception):
+    """Base class of every error interlace raises on purpose."""
+
+
+class WithBlockNotFoundError(InterlaceError):
+    """A tracer was entered, but no `with` block could be found at the call site.
+
+    The message tells apart "not used as a `with` block" from "the source could not be
+    read" (stdin, `exec` of a string, a file edited since it was first read).
+    """
+
+
+class UnsupportedBlockError(InterlaceError):
+    """The `with` body has a shape that cannot be skipped (raised at capture time).
+
+    The message names file:line, the shape, and what to write instead.
+    """
+
+
+class OutOfOrderError(InterlaceError):
+    """A value was requested after the model had passed it, or from a module that never ran."""
+
+
+class IterationCutShortWarning(UserWarning):
+    """A `tracer.iter` loop asked for a step the run never reached; the loop ended early."""
