@@ -55,7 +55,10 @@ def extensions():
     from setuptools import Extension
 
     return cythonize(
-        [Extension("interlace._cnative", ["csrc/_cnative.pyx"], include_dirs=["csrc"])],
+        [
+            Extension(f"interlace.{name}", [f"csrc/{name}.pyx"], include_dirs=["csrc"])
+            for name in ("_cframes", "_chotpath")
+        ],
         compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
         quiet=True,
     )
