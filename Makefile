@@ -1,0 +1,57 @@
+# interlace developer commands. `make demo` and `make test` work from a fresh clone:
+# each creates .venv (Python 3.11) and installs what it needs, torch first (the CPU build
+# pinned below; a bare `torch` requirement resolved first would pull a multi-GB CUDA build).
+
+PYTHON311 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11.*/bin/python3.11) $(shell command -v python3.11))
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.interlace-installed
+# The torch-free tracer core is also tested on these interpreters (skipped, with a line, when absent).
+CORE_VERSIONS ?= 3.10 3.12 3.13
+
+.PHONY: demo test test-native test-twin test-core-versions build clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x "$(PY)" || "$(PYTHON311)" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "setuptools>=64" "Cython>=3.0" wheel
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo]"
+	touch $(STAMP)
+
+build: $(STAMP)
+	INTERLACE_REQUIRE_EXTENSIONS=1 $(PY) setup.py -q build_ext --inplace
+
+demo: $(STAMP) build
+	$(PY) -m demo
+
+# The whole suite, once on the compiled extension (which must load) and once on the twin.
+test: test-native test-twin
+
+test-native: build
+	INTERLACE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-twin: build
+	INTERLACE_NO_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The torch-free tracer core on every other supported interpreter, both paths.
+test-core-versions:
+	@set -e; for v in $(CORE_VERSIONS); do \
+	  py=$$(ls -d $(HOME)/.pyenv/versions/$$v.*/bin/python$$v 2>/dev/null | tail -n 1); \
+	  [ -n "$$py" ] || py=$$(command -v python$$v || true); \
+	  if [ -z "$$py" ]; then echo "SKIPPED: Python $$v not found on this machine"; continue; fi; \
+	  venv=.venv$$(echo $$v | tr -d .); \
+	  test -x $$venv/bin/python || $$py -m venv $$venv; \
+	  $$venv/bin/python -m pip install -q --upgrade pip; \
+	  $$venv/bin/python -m pip install -q "setuptools>=64" "Cython>=3.0" wheel bytecode pytest coverage; \
+	  $$venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .; \
+	  INTERLACE_REQUIRE_EXTENSIONS=1 $$venv/bin/python setup.py -q build_ext --inplace; \
+	  echo "== Python $$v, native"; \
+	  INTERLACE_REQUIRE_EXTENSIONS=1 $$venv/bin/python -m pytest -q tests/tracing $(PYTEST_ARGS); \
+	  echo "== Python $$v, pure-Python twin"; \
+	  INTERLACE_NO_EXTENSIONS=1 $$venv/bin/python -m pytest -q tests/tracing $(PYTEST_ARGS); \
+	done
+
+clean:
+	rm -rf build src/interlace/*.so csrc/_cframes.c csrc/_chotpath.c
