@@ -58,6 +58,7 @@ def extensions():
         [
             Extension(f"interlace.{name}", [f"csrc/{name}.pyx"], include_dirs=["csrc"])
             for name in ("_cframes", "_chotpath")
+            if os.path.exists(f"csrc/{name}.pyx")
         ],
         compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
         quiet=True,
