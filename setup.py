@@ -56,7 +56,12 @@ def extensions():
 
     return cythonize(
         [
-            Extension(f"interlace.{name}", [f"csrc/{name}.pyx"], include_dirs=["csrc"])
+            Extension(
+                f"interlace.{name}",
+                [f"csrc/{name}.pyx"]
+                + ([f"csrc/{name}_impl.c"] if os.path.exists(f"csrc/{name}_impl.c") else []),
+                include_dirs=["csrc"],
+            )
             for name in ("_cframes", "_chotpath")
             if os.path.exists(f"csrc/{name}.pyx")
         ],

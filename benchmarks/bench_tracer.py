@@ -1,0 +1,248 @@
+"""Per-entry cost of skipping a `with` body, against `contextlib.nullcontext()`.
+
+    python benchmarks/bench_tracer.py           # this interpreter, both paths
+    python benchmarks/bench_tracer.py --all     # every .venv* interpreter in the repo
+
+Rows (median of REPEATS runs of N entries each, same process, ratios to nullcontext):
+
+* nullcontext        `with contextlib.nullcontext(): x = 1`
+* native skip, C     the compiled mechanism alone: `frames.FastSkip`, enter/exit in C,
+                     plans made by skip.plan (what a C fast path of the Tracer would cost)
+* native skip, Py    the same with __enter__/__exit__ in Python calling skip.arm/disarm
+* native Tracer      `interlace.Tracer` with a backend that does nothing
+* twin skip / Tracer the same with INTERLACE_NO_EXTENSIONS=1 (a child process)
+* settrace ref       nnsight's way, written here: sys.settrace + frame.f_trace raising at
+                     the first body line, suppressed in __exit__
+* cold capture       first trace of a block at the end of a 5,000-line file (source read,
+                     parse, compile, bytecode analysis), in a fresh process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SRC = os.path.join(ROOT, "src")
+N = 20_000
+REPEATS = 15
+
+
+class SettraceSkip:
+    """nnsight's skip: a global no-op tracer so f_trace runs, raising at the body's line."""
+
+    class Skip(Exception):
+        pass
+
+    def __enter__(self):
+        frame = sys._getframe(1)
+        self.prev = sys.gettrace()
+        start = frame.f_lineno
+
+        def local(f, event, arg):
+            if event == "line" and f.f_lineno != start:
+                raise SettraceSkip.Skip
+
+            return local
+
+        sys.settrace(lambda *a: None)
+        frame.f_trace = local
+        self.frame = frame
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        sys.settrace(self.prev)
+        self.frame.f_trace = None
+        self.frame = None
+        return exc_type is SettraceSkip.Skip
+
+
+def make_runner(cm_factory):
+    def run(n):
+        for _ in range(n):
+            with cm_factory():
+                x = 1  # noqa: F841
+    return run
+
+
+def per_entry(run) -> float:
+    run(200)  # warm: capture, plan, quickening
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        run(N)
+        times.append((time.perf_counter() - t0) / N)
+    return statistics.median(times) * 1e6
+
+
+def measure_here() -> dict:
+    sys.path.insert(0, SRC)
+    import interlace
+    from interlace import Backend, Tracer
+    from interlace.tracing import skip
+
+    class Nothing(Backend):
+        def __call__(self, tracer):
+            pass
+
+    nothing = Nothing()
+
+    class SkipOnly:
+        """Only the skip mechanism (what the extension does), no capture/backend."""
+
+        __slots__ = ("frame", "plan")
+
+        def __enter__(self):
+            frame = sys._getframe(1)
+            plan = skip._PLANS.get((id(frame.f_code), frame.f_lasti))
+            if plan is None:
+                import types
+
+                block = types.SimpleNamespace(
+                    filename=frame.f_code.co_filename, lineno=frame.f_lineno,
+                    first_body_line=frame.f_lineno + 1, same_line=False, first_is_try=False,
+                    assigned_names=frozenset({"x"}),
+                )
+                plan = skip.plan(frame, block)
+            self.plan = plan
+            skip.arm(frame, plan)
+            return self
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is not None:
+                skip.suppresses(self.plan, exc_type, exc)
+            else:
+                skip.disarm(self.plan)
+            return True
+
+    out = {"native": interlace.native, "python": sys.version.split()[0]}
+    out["nullcontext"] = per_entry(make_runner(contextlib.nullcontext))
+    out["skip"] = per_entry(make_runner(SkipOnly))
+
+    # the same site with enter/exit written in C (frames.FastSkip), plans from skip.plan
+    plans = {}
+
+    class Warmup(SkipOnly):
+        def __exit__(self, exc_type, exc, tb):
+            plans[(id(self.plan.code), self.lasti)] = self.plan.arm_args
+            return super().__exit__(exc_type, exc, tb)
+
+        def __enter__(self):
+            self.lasti = sys._getframe(1).f_lasti
+            frame = sys._getframe(1)
+            import types
+
+            block = types.SimpleNamespace(
+                filename=frame.f_code.co_filename, lineno=frame.f_lineno,
+                first_body_line=frame.f_lineno + 1, same_line=False, first_is_try=False,
+                assigned_names=frozenset({"x"}),
+            )
+            self.plan = skip.plan(frame, block)
+            skip.arm(frame, self.plan)
+            return self
+
+    from interlace._native import frames
+
+    fast = frames.FastSkip(plans)
+    warm = Warmup()
+
+    def run_fast(n, first=[True]):
+        for _ in range(n):
+            with (warm if first[0] else fast):
+                x = 1  # noqa: F841
+            first[0] = False
+
+    out["fastskip"] = per_entry(run_fast)
+    out["tracer"] = per_entry(make_runner(lambda: Tracer(backend=nothing)))
+    if not os.environ.get("INTERLACE_NO_EXTENSIONS"):
+        out["settrace"] = per_entry(make_runner(SettraceSkip))
+    return out
+
+
+def cold_capture() -> float:
+    """ms for the first trace of a block at the end of a 5,000-line file (fresh process)."""
+    lines = ["from interlace import Tracer, Backend", "class Nothing(Backend):",
+             "    def __call__(self, tracer):", "        pass", ""]
+    k = 0
+    while len(lines) < 4990:
+        lines += [f"def filler_{k}(a, b):", f"    c = a + b * {k}", "    return c", ""]
+        k += 1
+    lines += ["def target():", "    with Tracer(backend=Nothing()):", "        h = 1",
+              "    return 0", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "big_module.py")
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines))
+        code = textwrap.dedent(
+            f"""\
+            import sys, time, importlib
+            sys.path[:0] = [{SRC!r}, {tmp!r}]
+            import interlace
+            m = importlib.import_module("big_module")
+            t0 = time.perf_counter(); m.target(); t1 = time.perf_counter()
+            m.target(); t2 = time.perf_counter()
+            print((t1 - t0 - (t2 - t1)) * 1e3)
+            """
+        )
+        samples = []
+        for _ in range(5):
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  check=True)
+            samples.append(float(proc.stdout.strip()))
+    return statistics.median(samples)
+
+
+def report() -> dict:
+    native = measure_here()
+    env = {**os.environ, "INTERLACE_NO_EXTENSIONS": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--json"], capture_output=True, text=True,
+                          env=env, check=True)
+    twin = json.loads(proc.stdout)
+    return {"native": native, "twin": twin, "cold_ms": cold_capture()}
+
+
+def show(r: dict) -> None:
+    n, t = r["native"], r["twin"]
+    base = n["nullcontext"]
+    print(f"Python {n['python']}  (compiled extension live: {n['native']})")
+    rows = [
+        ("nullcontext", n["nullcontext"], base),
+        ("native skip, C enter/exit", n["fastskip"], base),
+        ("native skip, Python enter/exit", n["skip"], base),
+        ("native Tracer (no-op backend)", n["tracer"], base),
+        ("twin skip, Python enter/exit", t["skip"], t["nullcontext"]),
+        ("twin Tracer (no-op backend)", t["tracer"], t["nullcontext"]),
+        ("settrace reference (nnsight)", n["settrace"], base),
+    ]
+    for name, us, ref in rows:
+        print(f"  {name:32s} {us:8.3f} us   {us / ref:6.2f}x nullcontext")
+    print(f"  settrace ref / native C skip     {n['settrace'] / n['fastskip']:6.2f}x")
+    print(f"  settrace ref / native skip       {n['settrace'] / n['skip']:6.2f}x")
+    print(f"  settrace ref / native Tracer     {n['settrace'] / n['tracer']:6.2f}x")
+    print(f"  cold capture, 5,000-line file    {r['cold_ms']:8.3f} ms")
+
+
+def main(argv):
+    if "--json" in argv:
+        print(json.dumps(measure_here()))
+        return
+    if "--all" in argv:
+        for venv in sorted(glob.glob(os.path.join(ROOT, ".venv*"))):
+            exe = os.path.join(venv, "bin", "python")
+            if os.path.exists(exe):
+                subprocess.run([exe, __file__], check=False)
+        return
+    show(report())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

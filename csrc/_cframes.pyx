@@ -1,0 +1,208 @@
+# cython: language_level=3
+"""Frame-level mechanism of a skip (compiled). Policy lives in interlace.tracing.skip.
+
+Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C half is in
+`_cframes_impl.c` (every function there states what it borrows and returns).
+"""
+
+import sys
+import threading
+
+cdef extern from "_cframes_impl.h":
+    int ilc_init(object skip_signal) except -1
+    object ilc_arm(object frame, int lo, int hi, int exit_unit, int mode)
+    int ilc_disarm(object handle) except -1
+    int ilc_fire() except -1
+    int ilc_patch_check(object code, int unit, int prev_unit) except -1
+    int ilc_split_super(object code, int unit) except -1
+    int ilc_redirect(object code, int unit, int delta) except -1
+    Py_ssize_t ilc_armed_count()
+
+COMPILED = True
+
+JUMP = 0
+RAISE_LINE = 1
+RAISE_INSTRUCTION = 2
+
+
+class SkipSignal(BaseException):
+    """Raised at a body start (raise mode) to leave the with block; only
+    `skip.suppresses` ever sees it. A BaseException so no `except Exception` swallows it."""
+
+
+ilc_init(SkipSignal)
+
+_lock = threading.Lock()
+_starts = {}          # id(code) -> (code, set(lines), set(units))
+_tool = None
+_DISABLE = None
+
+
+def arm(frame, int lo, int hi, int exit_unit, int mode):
+    """Arm a skip of `frame` at body units lo..hi; returns the handle for `disarm`.
+
+    JUMP moves the frame to `exit_unit`; the RAISE modes raise SkipSignal instead."""
+    return ilc_arm(frame, lo, hi, exit_unit, mode)
+
+
+def disarm(handle):
+    """Undo `arm` (restoring any chained tracer); True if the skip fired."""
+    return ilc_disarm(handle) == 1
+
+
+def armed_count():
+    """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11). For leak tests."""
+    return ilc_armed_count()
+
+
+def patch_checks(code, units, prev_units=()):
+    """3.12+: make the reads at `units` LOAD_FAST_CHECK (splitting quickened pairs that
+    start at the matching `prev_units`, -1 for none). Returns how many were patched."""
+    cdef int n = 0
+    prevs = list(prev_units) + [-1] * (len(units) - len(prev_units))
+    for unit, prev in zip(units, prevs):
+        n += ilc_patch_check(code, unit, prev)
+    return n
+
+
+def redirect(code, int unit, int delta):
+    """3.13: make the fused read at `unit` a JUMP_FORWARD `delta` into the handler's
+    (checked) copy of the same tail."""
+    ilc_redirect(code, unit, delta)
+
+
+def write_back(frame, values):
+    """Write `values` into `frame`'s variables: fast locals and cells, module globals,
+    or a class body's namespace."""
+    if not values:
+        return
+    if not frame.f_code.co_flags & 0x1:   # not CO_OPTIMIZED: module or class body
+        frame.f_locals.update(values)
+        return
+    if sys.version_info >= (3, 13):
+        proxy = frame.f_locals            # PEP 667 write-through proxy
+        for name, value in values.items():
+            proxy[name] = value
+        return
+    f_locals = frame.f_locals             # synced from the fast locals by the getter
+    f_locals.update(values)
+    PyFrame_LocalsToFast(frame, 0)
+
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030D0000
+    #include "frameobject.h"
+    static int ilc_locals_to_fast(PyObject *f, int clear) {
+        /* f: borrowed. Returns 0, -1 with an error set. */
+        PyFrame_LocalsToFast((PyFrameObject *)f, clear);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    #else
+    static int ilc_locals_to_fast(PyObject *f, int clear) { return 0; }
+    #endif
+    """
+    int PyFrame_LocalsToFast "ilc_locals_to_fast" (object frame, int clear) except -1
+
+
+if hasattr(sys, "monitoring"):
+    _mon = sys.monitoring
+    _DISABLE = _mon.DISABLE
+
+    def _tool_id():
+        """Our sys.monitoring tool id: 4 if free, else the first free of 5, 3, 2."""
+        global _tool
+        if _tool is not None:
+            return _tool
+        for candidate in (4, 5, 3, 2):
+            name = _mon.get_tool(candidate)
+            if name == "interlace":
+                _tool = candidate
+                break
+            if name is None:
+                _mon.use_tool_id(candidate, "interlace")
+                _tool = candidate
+                break
+        else:
+            raise RuntimeError("interlace: no free sys.monitoring tool id among 2-5")
+        _mon.register_callback(_tool, _mon.events.LINE, _on_line)
+        _mon.register_callback(_tool, _mon.events.INSTRUCTION, _on_instruction)
+        return _tool
+
+    def _on_line(code, line):
+        if ilc_fire() == 1:
+            return None
+        entry = _starts.get(id(code))
+        if entry is None or line not in entry[1]:
+            return _DISABLE
+        return None
+
+    def _on_instruction(code, offset):
+        entry = _starts.get(id(code))
+        if entry is None or offset // 2 not in entry[2]:
+            return _DISABLE
+        ilc_fire()
+        return None
+
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+        """Enable our events on `code` for these body starts (once per code object), and
+        split a quickened pair in front of a body start so its own event fires (3.12)."""
+        tool = _tool_id()
+        with _lock:
+            entry = _starts.get(id(code))
+            if entry is None or entry[0] is not code:
+                entry = _starts[id(code)] = (code, set(), set())
+            for unit in fused_prev_units:
+                ilc_split_super(code, unit)
+            entry[1].update(lines)
+            entry[2].update(instruction_units)
+            events = _mon.events.LINE
+            if entry[2]:
+                events |= _mon.events.INSTRUCTION
+            if _mon.get_local_events(tool, code) != events:
+                _mon.set_local_events(tool, code, events)
+else:
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+        """Nothing to prepare on 3.10/3.11: the one-shot trace function needs no setup."""
+
+
+from cpython.ref cimport PyObject
+
+cdef extern from "Python.h":
+    # borrowed reference: cast with <object> (which takes a new one) before use
+    PyObject *ilc_current_frame "(PyObject *)PyEval_GetFrame" ()
+
+
+cdef class FastSkip:
+    """A context manager written in C that only skips: a fast path for warm sites.
+
+    `plans` maps (id(code), f_lasti) of a with site to the `arm_args` of its SkipPlan
+    (filled by the caller after skip.plan); a miss raises KeyError. No Python frame runs
+    between arming and the body start, so nothing but the caller's frame sees the window.
+    Used by benchmarks/bench_tracer.py to measure the mechanism alone; a Tracer can use the
+    same route for its warm path (capture and plan on a miss in Python, then this).
+    """
+
+    cdef object plans
+    cdef object handle
+
+    def __init__(self, plans):
+        self.plans = plans
+
+    def __enter__(self):
+        frame = <object>ilc_current_frame()
+        args = self.plans[(id(frame.f_code), frame.f_lasti)]
+        self.handle = ilc_arm(frame, args[0], args[1], args[2], args[3])
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        handle = self.handle
+        self.handle = None
+        if handle is None:
+            return False
+        fired = ilc_disarm(handle) == 1
+        if exc_type is not None:
+            return issubclass(exc_type, SkipSignal)
+        if not fired:
+            raise RuntimeError("interlace: the body ran inline (the skip did not fire)")
+        return True

@@ -1,0 +1,31 @@
+/* interlace frame mechanism: the C half of interlace._cframes (see _cframes_impl.c). */
+#ifndef INTERLACE_CFRAMES_IMPL_H
+#define INTERLACE_CFRAMES_IMPL_H
+#include <Python.h>
+
+#define ILC_JUMP 0
+#define ILC_RAISE_LINE 1
+#define ILC_RAISE_INSTRUCTION 2
+
+/* skip_signal: borrowed, kept alive by the module. Returns 0, or -1 with an error set. */
+int ilc_init(PyObject *skip_signal);
+/* frame: borrowed. Returns a NEW reference to an armed handle, or NULL with an error set. */
+PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode);
+/* handle: borrowed. Returns 1 if the skip fired, 0 if not, -1 with an error set. */
+int ilc_disarm(PyObject *handle);
+/* 3.12+ monitoring event in the current frame. Returns 1 jumped, 0 no armed frame here,
+   -1 error set (the skip signal in raise mode). */
+int ilc_fire(void);
+/* code: borrowed. Turns the read at `unit` into LOAD_FAST_CHECK (3.12+), splitting a
+   quickened pair that starts at `prev_unit` (-1: none). Returns 1 patched, 0 nothing to do,
+   -1 with an error set. */
+int ilc_patch_check(PyObject *code, int unit, int prev_unit);
+/* code: borrowed. 3.12: turns a quickened superinstruction at `unit` back into its first
+   base instruction, so the next unit gets its own events. Returns 1/0, -1 with error. */
+int ilc_split_super(PyObject *code, int unit);
+/* code: borrowed. 3.13: turns the fused read at `unit` into JUMP_FORWARD `delta` (to the
+   same instruction in the handler's checked copy of the tail). Returns 1, -1 with error. */
+int ilc_redirect(PyObject *code, int unit, int delta);
+/* Number of live armed handles (for leak tests). */
+Py_ssize_t ilc_armed_count(void);
+#endif

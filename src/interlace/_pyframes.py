@@ -1,0 +1,237 @@
+"""Pure-Python twin of `csrc/_cframes.pyx`: the frame-level mechanism of a skip.
+
+Mechanism only (policy lives in `interlace.tracing.skip`). The twin cannot move a frame's
+instruction pointer, so it *raises* `SkipSignal` at the body start, and the with's own
+exception handler takes the frame to `__exit__`, which suppresses it:
+
+* 3.12+: `sys.monitoring` LINE events, enabled once per code object for our own tool id;
+  lines that do not start a with body are DISABLEd after their first event.
+* 3.10/3.11: there is no `sys.monitoring`, so it needs a Python trace function
+  (`sys.settrace` + the frame's `f_trace`), chained to whatever was installed. CPython
+  uninstalls a trace function that raises, so the previous global and frame tracers are put
+  back again by `disarm`, as well as CPython allows; coverage and pdb lose the rest of that
+  frame on this path. This is why the twin refuses same-line and `try`-first bodies and why
+  debugger tests are native-only.
+
+Same names and signatures as the compiled module (see `_cframes.pyi`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+COMPILED = False
+
+JUMP = 0
+RAISE_LINE = 1
+RAISE_INSTRUCTION = 2
+
+
+class SkipSignal(BaseException):
+    """Raised at a body start to leave the with block; only `skip.suppresses` ever sees it.
+
+    A BaseException so that no `except Exception` between the frame and its `__exit__`
+    can swallow it (there is none in CPython's with handler, but be safe).
+    """
+
+
+class _Armed:
+    __slots__ = ("frame", "lo", "hi", "mode", "fired", "prev_global", "prev_local", "live")
+
+    def __init__(self, frame, lo, hi, mode):
+        self.frame = frame
+        self.lo = lo
+        self.hi = hi
+        self.mode = mode
+        self.fired = False
+        self.live = True
+
+
+_lock = threading.Lock()
+_armed: dict = {}          # frame -> list of _Armed (3.12+ twin)
+_starts: dict = {}         # id(code) -> (code, set(lines), set(units))
+
+if hasattr(sys, "monitoring"):
+    _mon = sys.monitoring
+    _tool = None
+
+    def _tool_id():
+        """Our sys.monitoring tool id: 4 if free, else the first free of 5, 3, 2 (0/1 are
+        debugger/coverage by convention)."""
+        global _tool
+        if _tool is not None:
+            return _tool
+        for candidate in (4, 5, 3, 2):
+            name = _mon.get_tool(candidate)
+            if name == "interlace":
+                _tool = candidate
+                break
+            if name is None:
+                _mon.use_tool_id(candidate, "interlace")
+                _tool = candidate
+                break
+        else:
+            raise RuntimeError("interlace: no free sys.monitoring tool id among 2-5")
+        _mon.register_callback(_tool, _mon.events.LINE, _on_line)
+        _mon.register_callback(_tool, _mon.events.INSTRUCTION, _on_instruction)
+        return _tool
+
+    def _fire(frame, unit):
+        records = _armed.get(frame)
+        if records:
+            rec = records[-1]
+            if rec.live and rec.lo <= unit <= rec.hi:
+                rec.fired = True
+                rec.live = False
+                raise SkipSignal()
+        return False
+
+    def _on_line(code, line):
+        frame = sys._getframe(1)
+        entry = _starts.get(id(code))
+        if entry is None or line not in entry[1]:
+            return _mon.DISABLE
+        _fire(frame, frame.f_lasti // 2)
+        return None
+
+    def _on_instruction(code, offset):
+        entry = _starts.get(id(code))
+        if entry is None or offset // 2 not in entry[2]:
+            return _mon.DISABLE
+        _fire(sys._getframe(1), offset // 2)
+        return None
+
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+        """Enable our events on `code` for these body starts (once per code object)."""
+        tool = _tool_id()
+        with _lock:
+            entry = _starts.get(id(code))
+            if entry is None or entry[0] is not code:
+                entry = _starts[id(code)] = (code, set(), set())
+            entry[1].update(lines)
+            entry[2].update(instruction_units)
+            events = _mon.events.LINE
+            if entry[2]:
+                events |= _mon.events.INSTRUCTION
+            if _mon.get_local_events(tool, code) != events:
+                _mon.set_local_events(tool, code, events)
+
+    def arm(frame, lo, hi, exit_unit, mode):
+        """Arm a skip of `frame` at units lo..hi; the twin always raises."""
+        rec = _Armed(frame, lo, hi, mode)
+        _armed.setdefault(frame, []).append(rec)
+        return rec
+
+    def disarm(rec):
+        """Forget `rec`; True if its skip fired."""
+        rec.live = False
+        records = _armed.get(rec.frame)
+        if records is not None:
+            try:
+                records.remove(rec)
+            except ValueError:
+                pass
+            if not records:
+                _armed.pop(rec.frame, None)
+        return rec.fired
+
+else:  # 3.10 / 3.11: a chained Python trace function
+
+    def _no_global(frame, event, arg):
+        return None
+
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+        """Nothing to prepare without sys.monitoring."""
+
+    def arm(frame, lo, hi, exit_unit, mode):
+        """Arm a skip of `frame` at units lo..hi by raising from its local trace function."""
+        rec = _Armed(frame, lo, hi, mode)
+        rec.prev_global = sys.gettrace()
+        rec.prev_local = frame.f_trace
+
+        def local(f, event, arg):
+            if rec.live and f is rec.frame and event == "line" and rec.lo <= f.f_lasti // 2 <= rec.hi:
+                rec.fired = True
+                rec.live = False
+                _restore(rec)
+                raise SkipSignal()
+            prev = rec.prev_local
+            if prev is not None:
+                rec.prev_local = prev(f, event, arg)
+            if not rec.live:
+                return rec.prev_local
+            return local
+
+        frame.f_trace = local
+        if rec.prev_global is None:
+            sys.settrace(_no_global)
+        return rec
+
+    def _restore(rec):
+        sys.settrace(rec.prev_global)
+        rec.frame.f_trace = rec.prev_local
+
+    def disarm(rec):
+        """Put back the tracers that were there before `arm`; True if the skip fired."""
+        was_live = rec.live
+        rec.live = False
+        if was_live or rec.fired:
+            _restore(rec)
+        return rec.fired
+
+
+class FastSkip:
+    """Skip-only context manager for warm sites (see `_cframes.FastSkip`).
+
+    `plans` maps (id(code), f_lasti) to a SkipPlan's `arm_args`."""
+
+    def __init__(self, plans):
+        self.plans = plans
+        self.handle = None
+
+    def __enter__(self):
+        frame = sys._getframe(1)
+        self.handle = arm(frame, *self.plans[(id(frame.f_code), frame.f_lasti)])
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return False
+        fired = disarm(handle)
+        if exc_type is not None:
+            return issubclass(exc_type, SkipSignal)
+        if not fired:
+            raise RuntimeError("interlace: the body ran inline (the skip did not fire)")
+        return True
+
+
+def patch_checks(code, units, prev_units=()):
+    """Native only: the twin cannot patch bytecode (it skips by raising instead)."""
+    raise NotImplementedError("the pure-Python twin cannot patch bytecode")
+
+
+def redirect(code, unit, delta):
+    """Native only (see patch_checks)."""
+    raise NotImplementedError("the pure-Python twin cannot patch bytecode")
+
+
+def write_back(frame, values):
+    """Write `values` into `frame`'s variables: fast locals and cells, module globals,
+    or a class body's namespace."""
+    if not values:
+        return
+    if not frame.f_code.co_flags & 0x1:  # not CO_OPTIMIZED: module or class body
+        frame.f_locals.update(values)
+        return
+    if sys.version_info >= (3, 13):
+        proxy = frame.f_locals           # PEP 667 write-through proxy
+        for name, value in values.items():
+            proxy[name] = value
+        return
+    import ctypes
+
+    f_locals = frame.f_locals
+    f_locals.update(values)
+    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
