@@ -1,0 +1,1 @@
+"""The interlace demo: `python -m demo` (see demo/__main__.py)."""
