@@ -1,0 +1,273 @@
+"""Gradients inside a trace, as nnsight does them: `with loss.backward():` then `h.grad`.
+
+While a trace runs, `Tensor.backward` called as the item of a `with` statement (and only
+then: a plain `loss.backward()` is torch's own) returns a `BackwardTracer`. Its body is
+captured like any block and runs as a mediator while torch runs the backward pass: reading
+`h.grad` registers a tensor hook on `h` and waits for the gradient flowing through it;
+assigning `h.grad = g` replaces what flows further back. Gradients arrive from the loss back
+toward the inputs, so a request for a tensor backward has already passed (or that no gradient
+reaches) raises `OutOfOrderError` when the backward pass ends.
+
+The two patches (`Tensor.backward`, and `Tensor.grad` while a backward body runs) are owned
+by the runs that install them, reference-counted across threads, and removed in `finally`.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import threading
+
+import torch
+from greenlet import getcurrent
+
+from ..errors import InterlaceError, OutOfOrderError
+from ..tracing import Backend, Tracer
+from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator
+
+_original_backward = torch.Tensor.backward
+_base_grad = torch._C.TensorBase.__dict__["grad"]
+_lock = threading.Lock()
+_installed = {"backward": 0, "grad": 0}
+_local = threading.local()  # .runs: the GradRuns of this thread, innermost last
+_WITH_OPS = {"BEFORE_WITH", "SETUP_WITH"}
+_with_after_call: dict = {}
+
+
+def _followed_by_with(frame) -> bool:
+    """Is the call at `frame.f_lasti` the item of a `with` statement?"""
+    code = frame.f_code
+    key = (code, frame.f_lasti)
+    answer = _with_after_call.get(key)
+    if answer is None:
+        # f_lasti is the CALL, or (3.11+) the last of its inline cache entries: the next
+        # real instruction is what the call's result feeds.
+        answer = False
+        for instruction in dis.get_instructions(code):
+            if instruction.offset > frame.f_lasti:
+                answer = instruction.opname in _WITH_OPS
+                break
+        if len(_with_after_call) > 4096:
+            _with_after_call.clear()
+        _with_after_call[key] = answer
+    return answer
+
+
+_uses_backward: dict = {}
+
+
+def block_uses_backward(block) -> bool:
+    """Does the captured body contain `with <expr>.backward(...):`? (cached per block)
+
+    The `Tensor.backward` patch is installed only for such bodies: setting an attribute on
+    `torch.Tensor` invalidates the type's method caches, which every later tensor method
+    lookup pays for, so a trace that does not need it must not install it. The `with` has to
+    be in the body itself (a helper function's `with loss.backward():` is not seen).
+    """
+    entry = _uses_backward.get(id(block))
+    if entry is not None and entry[0] is block:
+        return entry[1]
+    import ast
+
+    found = False
+    for statement in getattr(block, "statements", None) or ():
+        for node in ast.walk(statement):
+            if isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    call = item.context_expr
+                    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                            and call.func.attr == "backward"):
+                        found = True
+    _uses_backward[id(block)] = (block, found)
+    return found
+
+
+def _backward(self, *args, **kwargs):
+    if _followed_by_with(sys._getframe(1)):
+        return BackwardTracer(self, args, kwargs)
+    return _original_backward(self, *args, **kwargs)
+
+
+class _Grad:
+    """`Tensor.grad` while a backward body runs: the gradient flowing through the tensor."""
+
+    def __get__(self, tensor, owner=None):
+        if tensor is None:
+            return self
+        run = _current_run()
+        if run is None:
+            return _base_grad.__get__(tensor, owner)
+        return run.read(tensor)
+
+    def __set__(self, tensor, value):
+        run = _current_run()
+        if run is None:
+            _base_grad.__set__(tensor, value)
+        else:
+            run.write(tensor, value)
+
+    def __delete__(self, tensor):
+        _base_grad.__delete__(tensor)
+
+
+def _current_run():
+    runs = getattr(_local, "runs", None)
+    if runs:
+        run = runs[-1]
+        mediator = run.mediator
+        if mediator is not None and mediator.worker is getcurrent():
+            return run
+    return None
+
+
+def install(name):
+    """Install a patch (`"backward"` or `"grad"`) for the caller's run; undo with `uninstall`."""
+    with _lock:
+        _installed[name] += 1
+        if _installed[name] == 1:
+            if name == "backward":
+                torch.Tensor.backward = _backward
+            else:
+                torch.Tensor.grad = _Grad()
+
+
+def uninstall(name):
+    with _lock:
+        _installed[name] -= 1
+        if _installed[name] == 0:
+            if name == "backward":
+                torch.Tensor.backward = _original_backward
+            else:
+                del torch.Tensor.grad
+
+
+class BackwardTracer(Tracer):
+    """`with loss.backward(...):` inside a trace body: the body reads and edits `.grad`."""
+
+    def __init__(self, tensor, args, kwargs):
+        super().__init__(backend=_BackwardBackend())
+        self._deferred = None
+        self.tensor = tensor
+        self.backward_args = args
+        self.backward_kwargs = kwargs
+
+
+class _Event:
+    __slots__ = ("tensor", "value", "replaced")
+
+    def __init__(self, tensor, value):
+        self.tensor = tensor
+        self.value = value
+        self.replaced = False
+
+
+class GradRun:
+    """One backward pass with one mediator: tensor hooks hand gradients over."""
+
+    def __init__(self):
+        self.mediator = None
+        self.handles = {}
+        self.parked = {}  # id(tensor) -> tensor whose gradient the body waits for
+        self.event = None
+        self.done = False
+
+    def run(self, body, tensor, args, kwargs):
+        mediator = self.mediator = Mediator(body, label="backward body")
+        runs = _local.__dict__.setdefault("runs", [])
+        runs.append(self)
+        install("grad")
+        try:
+            message = mediator.start()
+            if message == FAILED:
+                raise mediator.error
+            if message != DONE:
+                try:
+                    _original_backward(tensor, *args, **kwargs)
+                except _BackwardAborted:
+                    error, mediator.error = mediator.error, None
+                    raise error from None
+            self.done = True
+            for parked in list(self.parked.values()):
+                self.parked.clear()
+                message = mediator.resume(OutOfOrderError(
+                    f".grad of a tensor of shape {tuple(parked.shape)} was never supplied: "
+                    f"backward had already passed it when it was requested, or no gradient "
+                    f"reaches it from this loss. Gradients flow from the loss back toward the "
+                    f"inputs: request them in that order (later layers first)"
+                ))
+            if mediator.error is not None:
+                error, mediator.error = mediator.error, None
+                raise error
+        finally:
+            if not mediator.finished:
+                mediator.cancel()
+            for handle in self.handles.values():
+                handle.remove()
+            self.handles.clear()
+            self.parked.clear()
+            uninstall("grad")
+            runs.remove(self)
+            self.mediator = None
+
+    def _hook(self, tensor):
+        key = id(tensor)
+        if key in self.handles:
+            return
+
+        def hook(grad):
+            waiting = self.parked.pop(key, None)
+            if waiting is None:
+                return None
+            event = _Event(tensor, grad)
+            self.event = event
+            try:
+                message = self.mediator.resume()
+            finally:
+                self.event = None
+            if message == FAILED:
+                raise _BackwardAborted()
+            if message == STOPPED:
+                raise InterlaceError("tracer.stop() cannot end a backward pass")
+            return event.value if event.replaced else None
+
+        try:
+            self.handles[key] = tensor.register_hook(hook)
+        except RuntimeError as error:
+            raise InterlaceError(
+                f".grad was requested inside `with loss.backward():` for a tensor of shape "
+                f"{tuple(tensor.shape)} that does not require grad ({error}); was the trace run "
+                f"under torch.no_grad() or inference_mode()?"
+            ) from None
+
+    def _request(self, tensor):
+        event = self.event
+        if event is not None and event.tensor is tensor:
+            return event
+        if self.done:
+            raise OutOfOrderError(".grad was requested after the backward pass had finished")
+        self._hook(tensor)
+        self.parked[id(tensor)] = tensor
+        self.mediator.wait(PARKED)
+        return self.event
+
+    def read(self, tensor):
+        return self._request(tensor).value
+
+    def write(self, tensor, value):
+        event = self._request(tensor)
+        event.value = value
+        event.replaced = True
+
+
+class _BackwardAborted(BaseException):
+    """Unwinds torch's backward after the backward body failed."""
+
+
+class _BackwardBackend(Backend):
+    def __call__(self, tracer):
+        from .tracer import _body
+
+        values = {}
+        GradRun().run(_body(tracer, values), tracer.tensor, tracer.backward_args,
+                      tracer.backward_kwargs)
+        tracer.push_result(values)

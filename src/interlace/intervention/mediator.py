@@ -1,0 +1,161 @@
+"""A mediator: one trace body (or one invoke's body) running beside the model on its own stack.
+
+The body runs in a greenlet until it needs a value, then parks and hands control back to the
+model; a hook hands the value over when the module runs. Greenlets are *reused* across traces
+(a small per-thread pool): a fresh greenlet costs an mmap/munmap pair per trace
+(notes/interleaving-overhead-findings.md), a reused one costs two switches.
+
+Torch grad mode is thread state, not greenlet state: every switch swaps it, so the body's
+own `torch.no_grad()` never leaks into the forward and the forward's state never into the body.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from greenlet import getcurrent, greenlet
+
+from .._native import hotpath
+
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+# Messages a worker sends back to the side that resumed it.
+PARKED = 1  # the body waits for a value (it is in the hub's table)
+DONE = 2  # the body returned; mediator.result holds its return value
+FAILED = 3  # the body raised; mediator.error holds the exception
+STOPPED = 4  # the body called tracer.stop()
+
+
+class Cancelled(BaseException):
+    """Thrown into a parked body to unwind it (the trace is being torn down)."""
+
+
+class StopSignal(BaseException):
+    """Raised inside the body by `tracer.stop()` after the model was told to stop."""
+
+
+class IterationCutShort(BaseException):
+    """Thrown into a body whose `tracer.iter` loop asked for a step the run never reached.
+
+    It unwinds the body (code after the loop does not run); the interleaver turns it into
+    an `IterationCutShortWarning` and keeps what the body saved.
+    """
+
+
+ENDED_EARLY = (StopSignal, IterationCutShort)
+"""Signals that end a body early without being an error: what it saved is kept."""
+
+
+class _Pool(threading.local):
+    def __init__(self):
+        self.idle = []
+
+
+_pool = _Pool()
+_POOL_MAX = 8
+
+
+def _worker_loop(job):
+    """A greenlet's whole life: run jobs forever, reporting each outcome to its parent."""
+    me = getcurrent()
+    while True:
+        outcome = job()
+        job = None
+        job = me.parent.switch(outcome)
+
+
+class Mediator:
+    """One body, its iteration pointer, and the event it is being served right now."""
+
+    __slots__ = ("fn", "index", "rows", "pointer", "worker", "event", "result", "error",
+                 "finished", "body_grad", "label")
+
+    def __init__(self, fn, index=0, rows=None, label="trace body"):
+        self.fn = fn
+        self.index = index
+        self.rows = rows  # slice of the batch this body sees, or None for all rows
+        self.pointer = hotpath.Pointer()
+        self.worker = None
+        self.event = None
+        self.result = None
+        self.error = None
+        self.finished = False
+        self.body_grad = None  # the grad mode the body had when it last paused
+        self.label = label
+
+    # -- model side -------------------------------------------------------------------
+
+    def start(self):
+        """Run the body until its first request (or its end). Returns a message."""
+        idle = _pool.idle
+        worker = idle.pop() if idle else greenlet(_worker_loop)
+        worker.parent = getcurrent()
+        self.worker = worker
+        self.body_grad = _is_grad_enabled()
+        return self._enter(self._job)
+
+    def resume(self, payload=None):
+        """Hand `payload` to the parked body and run it until it parks again or ends."""
+        return self._enter(payload)
+
+    def _enter(self, payload):
+        model_grad = _is_grad_enabled()
+        if self.body_grad != model_grad:
+            _set_grad_enabled(self.body_grad)
+        try:
+            message = self.worker.switch(payload)
+        finally:
+            # Back on the model side: restore its mode whatever the body did.
+            if _is_grad_enabled() != model_grad:
+                _set_grad_enabled(model_grad)
+        if message == DONE or message == FAILED:
+            self._release()
+        return message
+
+    def cancel(self):
+        """Unwind a parked body (its `finally` blocks run) and return its worker to the pool."""
+        if self.worker is None or self.finished:
+            return
+        try:
+            self._enter(Cancelled)
+        except BaseException:  # noqa: BLE001 - a broken body must not block teardown
+            pass
+        if self.worker is not None:  # the body refused to unwind: drop the greenlet
+            self.worker = None
+
+    def _release(self):
+        worker = self.worker
+        self.worker = None
+        self.finished = True
+        if worker is not None and not worker.dead and len(_pool.idle) < _POOL_MAX:
+            _pool.idle.append(worker)
+
+    # -- body side ----------------------------------------------------------------------
+
+    def _job(self):
+        try:
+            self.result = self.fn()
+            return DONE
+        except Cancelled:
+            self.error = None
+            return DONE
+        except ENDED_EARLY:
+            self.error = None
+            return DONE
+        except BaseException as error:  # noqa: BLE001 - reported to the model side
+            self.error = error
+            return FAILED
+
+    def wait(self, message=PARKED):
+        """Body side: give control back to the model; returns what the model hands over."""
+        body_grad = _is_grad_enabled()
+        self.body_grad = body_grad
+        payload = self.worker.parent.switch(message)
+        # Resumed by the model side, which swapped the mode to body_grad already.
+        if payload is Cancelled:
+            raise Cancelled()
+        if isinstance(payload, BaseException):
+            raise payload
+        return payload

@@ -1,0 +1,236 @@
+"""`model.trace(...)` and `tracer.invoke(...)`: the tracer core's blocks, run by the engine.
+
+`InterleavingTracer` is a `Tracer` whose backend runs the captured body as a mediator while
+the model runs. With inputs (`model.trace(x)`) the whole body is one mediator. Without
+(`model.trace()`), the body runs first, alone: each `with tracer.invoke(x):` block in it is
+itself captured and skipped, and only registers its body and inputs; then the inputs are
+batched into one forward pass with one mediator per invoke body, each seeing its own rows.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from ..errors import InterlaceError
+from ..tracing import Backend, Tracer
+from ..tracing import blocks as _blocks
+from .grads import block_uses_backward
+from .mediator import ENDED_EARLY
+
+_NOT_YET = object()
+
+
+class InterleavingTracer(Tracer):
+    """`with model.trace(*inputs) as tracer:` - see the module docstring."""
+
+    def __init__(self, model, args=(), kwargs=None, run=None):
+        super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
+        self.model = model
+        self._deferred = None
+        self._run = run  # what one run calls (default: the model's forward)
+        self._invokes = []
+        self._collecting = False
+        self._result = _NOT_YET
+
+    def invoke(self, *args, **kwargs):
+        """`with tracer.invoke(*inputs):` - one batch entry whose body sees only its rows."""
+        if self.args or self.kwargs:
+            raise InterlaceError(
+                "this trace already has inputs (model.trace(x)); to batch several inputs, call "
+                "model.trace() with no inputs and give each one its own `with tracer.invoke(x):`"
+            )
+        if not self._collecting:
+            raise InterlaceError(
+                "tracer.invoke(...) works only as `with tracer.invoke(...):` inside the body of "
+                "its own `with model.trace() as tracer:` block"
+            )
+        return Invoker(self, args, kwargs)
+
+    def stop(self):
+        """End the forward pass here; the body ends too, and what it saved so far is kept."""
+        interleaver = self.model._active()
+        if interleaver is None:
+            raise InterlaceError("tracer.stop() works only inside the body of a running trace")
+        interleaver.stop()
+
+    @property
+    def result(self):
+        """The model's return value: inside the body it waits for the run to end."""
+        interleaver = self.model._active()
+        if interleaver is not None and interleaver.current is not None:
+            return interleaver.read(interleaver.state.result_key)
+        if self._result is _NOT_YET:
+            raise InterlaceError(
+                "tracer.result is the model's return value: read it inside the trace body "
+                "(it waits for the model to finish) or after the block"
+            )
+        return self._result
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update(_invokes=[], _result=_NOT_YET, _collecting=False)
+        return state
+
+
+class Invoker(Tracer):
+    """`with tracer.invoke(*inputs):` - registers its body; the trace runs it later, batched.
+
+    Invokes share variables, in invoke order: a name an invoke's body reads but does not
+    assign resolves to the value an *earlier* invoke assigned. If that invoke has not
+    assigned it yet, the reader waits until it has (the model runs on meanwhile), then
+    continues at the very module the earlier invoke was at - so the usual patching pattern
+    works without barriers:
+
+        with tracer.invoke(clean):
+            h = model.layer.output[:, pos].save()
+        with tracer.invoke(corrupt):
+            model.layer.output[:, pos] = h     # waits for `h`, then edits the same layer
+    """
+
+    def __init__(self, parent, args, kwargs):
+        super().__init__(*args, backend=_INVOKE, **kwargs)
+        self.parent = parent
+        self._deferred = None  # (frame, save state) kept for the deferred run
+        self._code = None  # the code object the body runs as (to find its frame when parked)
+
+    def build(self, block, params):
+        """The core's build, except that names the body only reads stay global lookups.
+
+        The core keeps the caller's unbound locals local to the body (reading one raises
+        UnboundLocalError, as inline); an invoke instead resolves a name it does not assign
+        through `_SharedGlobals`, which finds what an earlier invoke assigned (or raises
+        NameError, UnboundLocalError's base class, naming it).
+        """
+        tree = super().build(block, params)
+        function = tree.body[0]
+        last = function.body[-1]
+        if (isinstance(last, ast.If) and isinstance(last.test, ast.Constant)
+                and last.test.value == 0 and isinstance(last.body[0], ast.Assign)):
+            store = last.body[0]
+            store.targets = [t for t in store.targets if t.id in block.assigned_names]
+            if not store.targets:
+                function.body.pop()
+        return tree
+
+    def execute(self, block, namespace=None):
+        interleaver = self.parent.model._active()
+        if interleaver is None or interleaver.shared is None:
+            return super().execute(block, namespace)
+        frame = self._frame
+        if namespace is None:
+            namespace = frame.f_locals
+        params = tuple([name for name in block.names if name in namespace])
+        globals_ = _SharedGlobals(frame.f_globals, interleaver)
+        function = _blocks.make_function(block.function_code(params, self), globals_)
+        self._code = function.__code__
+        result = function(*[namespace[name] for name in params])
+        result.pop(_blocks.LOCALS_PARAM, None)
+        return result
+
+
+class _SharedGlobals(dict):
+    """An invoke body's globals: earlier invokes' variables, then the module's globals.
+
+    Empty itself, so every lookup lands in `__missing__`; a name neither has raises
+    KeyError, and Python goes on to the builtins as usual.
+    """
+
+    __slots__ = ("_module", "_interleaver")
+
+    def __init__(self, module_globals, interleaver):
+        super().__init__()
+        self._module = module_globals
+        self._interleaver = interleaver
+
+    def __missing__(self, name):
+        shared = self._interleaver.shared
+        if shared is not None and name in shared:
+            return shared[name]
+        try:
+            return self._module[name]
+        except KeyError:
+            pass
+        return self._interleaver.wait_for_name(name)
+
+
+class _InvokeBackend(Backend):
+    def __call__(self, invoker):
+        # The core clears frame and save state when __exit__ ends: keep them for the run.
+        state = invoker.trace_state() if hasattr(invoker, "trace_state") else invoker._state
+        invoker._deferred = (invoker._frame, state)
+        invoker.parent._invokes.append(invoker)
+
+
+class _InterleavingBackend(Backend):
+    def __call__(self, tracer):
+        model = tracer.model
+        if tracer.args or tracer.kwargs:
+            values = {}
+            tracer._result = model._interleave(
+                [(_body(tracer, values), tracer.args, tracer.kwargs)], run=tracer._run,
+                backward=block_uses_backward(tracer.block),
+            )
+            tracer.push_result(values)
+            return
+        state = model._state
+        tracer._collecting = True
+        state.collecting = True
+        try:
+            values = tracer.run_body()
+        finally:
+            tracer._collecting = False
+            state.collecting = False
+        invokes, tracer._invokes = tracer._invokes, []
+        try:
+            if invokes:
+                outs = [{} for _ in invokes]
+                runs = [(_body(inv, out), inv.args, inv.kwargs) for inv, out in zip(invokes, outs)]
+                tracer._result = model._interleave(
+                    runs, run=tracer._run, backward=block_uses_backward(tracer.block)
+                )
+                for out in outs:
+                    values.update(out)
+        finally:
+            for invoker in invokes:
+                invoker._deferred = None
+        tracer.push_result(values)
+
+
+_INTERLEAVING = _InterleavingBackend()
+_INVOKE = _InvokeBackend()
+
+
+def _body(tracer, out):
+    """The mediator's job: run the captured body; keep its locals even when it ends early."""
+
+    def run():
+        deferred = getattr(tracer, "_deferred", None)
+        if deferred is not None:
+            tracer._frame, tracer._state = deferred
+        try:
+            out.update(tracer.run_body())
+        except ENDED_EARLY as signal:
+            out.update(_locals_at(signal, tracer))
+            raise
+        finally:
+            if deferred is not None:
+                tracer._frame = tracer._state = None
+
+    run.tracer = tracer
+    run.out = out  # the body's final locals (shared with later invokes when it ends)
+    run.assigns = tracer.block.assigned_names if tracer.block is not None else frozenset()
+    return run
+
+
+def _locals_at(error, tracer):
+    """The body's locals at the point `error` left it (stop, or an iter loop cut short)."""
+    block = tracer.block
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == block.filename and code.co_name == block.co_name:
+            values = dict(tb.tb_frame.f_locals)
+            values.pop(_blocks.LOCALS_PARAM, None)
+            return values
+        tb = tb.tb_next
+    return {}

@@ -1,0 +1,1 @@
+"""Tests of the interleaving engine on tiny torch and transformers models (both paths)."""
