@@ -1,0 +1,292 @@
+"""Turning what users pass as prompts into the tensors a causal language model needs.
+
+Accepted forms: a string, a list of strings, token ids (a list of ints, a list of lists of
+ints, a 1-D or 2-D tensor), or a tokenizer's `BatchEncoding`/dict with `input_ids` (and
+optionally `attention_mask`). Everything becomes one left-padded batch:
+`{"input_ids", "attention_mask"}`, both 2-D `long` tensors.
+
+Why left padding and explicit `position_ids`: a decoder-only model generates from the last
+column, so every prompt must end there; and a left-padded prompt must still see positions
+0, 1, 2... from its first real token, otherwise its logits differ from the same prompt run
+alone (the footgun style.md names: "batched runs that silently differ from single runs").
+`position_ids` are therefore computed from the final attention mask, after all invokes'
+prompts have been batched together -- never per invoke.
+
+These are plain functions so that the engine's batching hook can call them:
+`prepare` (one invoke's inputs -> batch), `combine` (several invokes' batches -> one batch
+plus each invoke's row slice), `position_ids` (from a mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..intervention.batching import Batcher, BatchingError, Prepared
+
+ACCEPTED = (
+    "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
+    "1-D/2-D integer tensor), or a tokenizer's BatchEncoding/dict with 'input_ids'"
+)
+
+# Per-token keys a tokenizer may return, and the value that pads each of them.
+_PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "labels": -100}
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used for padding: the tokenizer's pad token, else its eos token, else 0."""
+    if tokenizer is not None:
+        for attr in ("pad_token_id", "eos_token_id"):
+            value = getattr(tokenizer, attr, None)
+            if value is not None:
+                return int(value)
+    return 0
+
+
+def prepare(inputs, tokenizer=None, *, attention_mask=None) -> dict[str, torch.Tensor]:
+    """One invoke's prompts -> a left-padded batch `{"input_ids", "attention_mask", ...}`.
+
+    `attention_mask` is the mask a user passed beside token ids (`trace(ids, attention_mask=m)`).
+    Raises `ValueError` for empty prompts and `TypeError` for forms we do not accept.
+    """
+    rows = _rows(inputs, tokenizer, attention_mask)
+    return _pad(rows, pad_token_id(tokenizer))
+
+
+def combine(batches, tokenizer=None) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    """Several invokes' batches -> one batch, left-padded to the longest, and each invoke's rows."""
+    if not batches:
+        raise ValueError("there are no inputs to batch: give trace() or an invoke() a prompt")
+    keys = set(batches[0])
+    for batch in batches[1:]:
+        if set(batch) != keys:
+            raise BatchingError(
+                "cannot batch these invokes: their inputs carry different fields "
+                f"({sorted(keys)} vs {sorted(batch)}); pass the same kind of input to every invoke"
+            )
+    if len(batches) == 1:  # the common case: one prompt batch, already padded
+        return dict(batches[0]), [slice(0, batches[0]["input_ids"].shape[0])]
+    rows, slices, start = [], [], 0
+    for batch in batches:
+        n = batch["input_ids"].shape[0]
+        rows.extend({k: v[i] for k, v in batch.items()} for i in range(n))
+        slices.append(slice(start, start + n))
+        start += n
+    return _pad(rows, pad_token_id(tokenizer)), slices
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token (0 on padding), as generate does."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+
+
+# --- normalising every accepted form into rows --------------------------------------------
+
+
+def _rows(inputs, tokenizer, attention_mask) -> list[dict[str, torch.Tensor]]:
+    """Normalise `inputs` to a list of rows `{"input_ids": 1-D, "attention_mask": 1-D, ...}`."""
+    if isinstance(inputs, Mapping):  # BatchEncoding is a UserDict, hence a Mapping
+        if attention_mask is not None and "attention_mask" in inputs:
+            raise TypeError(
+                "attention_mask was given twice: inside the input dict and as a keyword; "
+                "pass it once"
+            )
+        return _rows_from_mapping(inputs, attention_mask)
+    if isinstance(inputs, str):
+        return _rows_from_strings([inputs], tokenizer, attention_mask)
+    if isinstance(inputs, torch.Tensor):
+        return _rows_from_ids(inputs, attention_mask)
+    if isinstance(inputs, (list, tuple)):
+        if len(inputs) == 0:
+            raise ValueError(
+                "the list of prompts is empty: pass at least one prompt (" + ACCEPTED + ")"
+            )
+        if all(isinstance(x, str) for x in inputs):
+            return _rows_from_strings(list(inputs), tokenizer, attention_mask)
+        if all(_is_int(x) for x in inputs):
+            return _rows_from_ids(torch.tensor(list(inputs), dtype=torch.long), attention_mask)
+        if all(isinstance(x, (list, tuple, torch.Tensor)) for x in inputs):
+            return _rows_from_id_lists(inputs, attention_mask)
+        kinds = sorted({type(x).__name__ for x in inputs})
+        raise TypeError(
+            f"cannot use a list of {', '.join(kinds)} values as prompts: a list must hold only strings, "
+            f"only ints (token ids), or only lists of ints; accepted inputs are {ACCEPTED}"
+        )
+    raise TypeError(
+        f"cannot use a value of type {type(inputs).__name__} as a prompt; accepted inputs are "
+        f"{ACCEPTED}"
+    )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) or (
+        isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point()
+    )
+
+
+def _rows_from_strings(texts, tokenizer, attention_mask):
+    if tokenizer is None:
+        raise TypeError(
+            "string prompts need a tokenizer, and this LanguageModel has none: pass "
+            "tokenizer=... when wrapping a module, or pass token ids instead of text"
+        )
+    if attention_mask is not None:
+        raise TypeError(
+            "attention_mask was passed with text prompts; the mask is built from the text, "
+            "so pass attention_mask only with token ids"
+        )
+    for i, text in enumerate(texts):
+        if text == "":
+            raise ValueError(f"prompt {i} is an empty string: there is nothing to run the model on")
+    encoded = tokenizer(texts, padding=False, return_attention_mask=True)
+    rows = []
+    for i, ids in enumerate(encoded["input_ids"]):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} ({texts[i]!r}) tokenizes to no tokens")
+        row = {"input_ids": torch.tensor(ids, dtype=torch.long)}
+        row["attention_mask"] = torch.tensor(encoded["attention_mask"][i], dtype=torch.long)
+        if "token_type_ids" in encoded:
+            row["token_type_ids"] = torch.tensor(encoded["token_type_ids"][i], dtype=torch.long)
+        rows.append(row)
+    return rows
+
+
+def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{what} must be integer token ids, got a tensor of dtype {ids.dtype}")
+    if ids.dim() not in (1, 2):
+        raise ValueError(
+            f"{what} must be 1-D (one prompt) or 2-D (batch, tokens), got shape {tuple(ids.shape)}"
+        )
+    if ids.shape[-1] == 0 or ids.shape[0] == 0:
+        raise ValueError(f"{what} is empty (shape {tuple(ids.shape)}): pass at least one token")
+    return ids.long()
+
+
+def _rows_from_ids(ids: torch.Tensor, attention_mask, strip=True):
+    ids = _check_ids(ids, "input_ids")
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        mask = torch.as_tensor(attention_mask).long()
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+        if mask.shape != ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
+                f"{tuple(ids.shape)}; they must match"
+            )
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i].to(ids.device)} for i in range(ids.shape[0])]
+    return [_strip(row) for row in rows] if strip and attention_mask is not None else rows
+
+
+def _rows_from_id_lists(lists, attention_mask):
+    if attention_mask is not None:
+        raise TypeError(
+            "attention_mask cannot be combined with a list of token-id lists (they are padded "
+            "for you); pass a 2-D tensor of ids with a mask of the same shape instead"
+        )
+    rows = []
+    for i, ids in enumerate(lists):
+        tensor = ids if isinstance(ids, torch.Tensor) else None
+        if tensor is None:
+            if not all(_is_int(x) for x in ids):
+                raise TypeError(f"prompt {i} must be a list of int token ids, got {ids!r:.60}")
+            tensor = torch.tensor(list(ids), dtype=torch.long)
+        tensor = _check_ids(tensor, f"prompt {i}")
+        if tensor.dim() != 1:
+            raise ValueError(f"prompt {i} must be 1-D token ids, got shape {tuple(tensor.shape)}")
+        rows.append({"input_ids": tensor, "attention_mask": torch.ones_like(tensor)})
+    return rows
+
+
+def _rows_from_mapping(mapping, attention_mask):
+    if "input_ids" not in mapping:
+        raise TypeError(
+            f"an input dict must contain 'input_ids' (it has {sorted(mapping)}); "
+            "pass the output of tokenizer(...) or {'input_ids': ..., 'attention_mask': ...}"
+        )
+    unknown = sorted(set(mapping) - {"input_ids", *_PAD_VALUES})
+    if unknown:
+        raise TypeError(
+            f"cannot batch the input dict's fields {unknown}: only 'input_ids', "
+            f"{', '.join(repr(k) for k in _PAD_VALUES)} are per-token inputs we know how to pad; "
+            "pass other model arguments as keywords to trace()/generate()"
+        )
+    ids = mapping["input_ids"]
+    ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+    mask = mapping.get("attention_mask", attention_mask)
+    rows = _rows_from_ids(ids, mask, strip=False)
+    for key in set(mapping) - {"input_ids", "attention_mask"}:
+        value = torch.as_tensor(mapping[key]).long()
+        value = value.unsqueeze(0) if value.dim() == 1 else value
+        for i, row in enumerate(rows):
+            row[key] = value[i]
+    return [_strip(row) for row in rows]
+
+
+def _strip(row):
+    """Drop padding from a row whose mask is one contiguous run of ones (left or right padded).
+
+    Right-padded tokenizer output is re-padded on the left so generation continues from the
+    last real token. A mask with holes is kept as the user gave it.
+    """
+    mask = row["attention_mask"]
+    if mask.dim() != 1:
+        return row
+    ones = mask.nonzero().flatten()
+    if len(ones) == 0:
+        raise ValueError("a prompt's attention_mask is all zeros: there is nothing to run the model on")
+    first, last = int(ones[0]), int(ones[-1])
+    if int(mask[first : last + 1].sum()) != last - first + 1:
+        return row
+    return {k: v[first : last + 1] for k, v in row.items()}
+
+
+def _pad(rows, pad_id) -> dict[str, torch.Tensor]:
+    """Left-pad rows to the longest and stack them."""
+    lengths = [row["input_ids"].shape[0] for row in rows]
+    length = max(lengths)
+    if min(lengths) == length:
+        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    out = {}
+    for key in rows[0]:
+        fill = pad_id if key == "input_ids" else _PAD_VALUES[key]
+        column = []
+        for row in rows:
+            value = row[key]
+            pad = value.new_full((length - len(value),), fill)
+            column.append(torch.cat([pad, value]))
+        out[key] = torch.stack(column)
+    return out
+
+
+# --- the engine's batching hook -------------------------------------------------------------
+
+
+class PromptBatcher(Batcher):
+    """Batching for language models: prompts are tokenized, left-padded across invokes.
+
+    Each invoke's prompt becomes `input_ids`/`attention_mask` rows; all invokes are padded
+    together to the longest, and `position_ids` come from the final mask (when the model
+    takes them). Other keywords must agree across invokes, as for any model.
+    """
+
+    def __init__(self, model, *, generate=False):
+        self.model = model  # the LanguageModel: tokenizer, kwargs check, input device
+        self.generate = generate
+
+    def prepare(self, args, kwargs):
+        batch, rest = self.model.prepare_inputs(*args, **kwargs)
+        if not self.generate:  # generate() validates its own keywords
+            self.model.check_forward_kwargs(rest)
+        prepared = Prepared((), rest, batch["input_ids"].shape[0])
+        prepared.prompt = batch
+        return prepared
+
+    def batch(self, prepared):
+        _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
+        combined, _ = combine([p.prompt for p in prepared], self.model.tokenizer)
+        return (), self.model.model_kwargs(combined, rest, positions=not self.generate)

@@ -1,0 +1,152 @@
+"""Prompt preparation: every accepted form, left padding, masks, positions, clear errors.
+
+The reference is the plain transformers model run on each prompt alone, unpadded.
+"""
+
+import pytest
+import torch
+
+from interlace.models import inputs
+
+PROMPTS = ["hello", "the capital of france is paris and", "a b c"]
+
+
+def alone_logits(hf_model, hf_tokenizer, text):
+    ids = torch.tensor([hf_tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        return hf_model(ids).logits[0]
+
+
+def run(hf_model, batch):
+    pos = inputs.position_ids(batch["attention_mask"])
+    with torch.no_grad():
+        return hf_model(**batch, position_ids=pos).logits
+
+
+def test_each_prompt_in_a_batch_equals_it_alone(hf_model, hf_tokenizer):
+    batch = inputs.prepare(PROMPTS, hf_tokenizer)
+    lengths = [len(hf_tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert len(set(lengths)) == 3  # really different lengths
+    width = max(lengths)
+    assert batch["input_ids"].shape == (3, width)
+    # Left padding: real tokens end in the last column; the mask marks them.
+    for i, n in enumerate(lengths):
+        assert batch["attention_mask"][i].tolist() == [0] * (width - n) + [1] * n
+        assert batch["input_ids"][i, width - n:].tolist() == hf_tokenizer(PROMPTS[i])["input_ids"]
+        assert (batch["input_ids"][i, : width - n] == hf_tokenizer.eos_token_id).all()
+    logits = run(hf_model, batch)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(logits[i, width - n:], alone_logits(hf_model, hf_tokenizer, PROMPTS[i]))
+
+
+def test_without_position_ids_gpt2_would_differ(gpt2_lm):
+    """Why position_ids matter: GPT-2 counts positions from column 0 unless told."""
+    module, tokenizer = gpt2_lm._module, gpt2_lm.tokenizer
+    batch = inputs.prepare(PROMPTS, tokenizer)
+    with torch.no_grad():
+        wrong = module(**batch).logits[0, -1]
+        right = run(module, batch)[0, -1]
+    alone = alone_logits(module, tokenizer, PROMPTS[0])[-1]
+    torch.testing.assert_close(right, alone)
+    assert not torch.allclose(wrong, alone, atol=1e-3)
+
+
+def test_position_ids_from_mask():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 0, 1]])
+    assert inputs.position_ids(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3], [0, 0, 0, 1]]
+
+
+def test_every_form_gives_the_same_batch(hf_tokenizer):
+    ids = [hf_tokenizer(p)["input_ids"] for p in PROMPTS]
+    ref = inputs.prepare(PROMPTS, hf_tokenizer)
+    encoded_right = hf_tokenizer(PROMPTS, padding=True, return_tensors="pt") if hf_tokenizer.pad_token else None
+    forms = {
+        "list of id lists": ids,
+        "tensors in a list": [torch.tensor(x) for x in ids],
+        "dict": {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"]},
+    }
+    for name, form in forms.items():
+        got = inputs.prepare(form, hf_tokenizer)
+        assert got.keys() == ref.keys(), name
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), name
+    assert encoded_right is None  # the folder's tokenizer has no pad token (GPT-2 style)
+
+
+def test_right_padded_tokenizer_output_is_repadded_left(lm):
+    tok = lm.tokenizer
+    tok.padding_side = "right"
+    try:
+        encoded = tok(PROMPTS, padding=True, return_tensors="pt")
+    finally:
+        tok.padding_side = "left"
+    assert encoded["attention_mask"][0, -1] == 0  # right padded
+    got = inputs.prepare(encoded, tok)
+    ref = inputs.prepare(PROMPTS, tok)
+    for k in ref:
+        assert torch.equal(got[k], ref[k])
+
+
+def test_single_forms(hf_tokenizer):
+    ids = hf_tokenizer(PROMPTS[1])["input_ids"]
+    ref = inputs.prepare(PROMPTS[1], hf_tokenizer)
+    assert ref["input_ids"].tolist() == [ids] and ref["attention_mask"].tolist() == [[1] * len(ids)]
+    for form in (ids, torch.tensor(ids), torch.tensor([ids])):
+        got = inputs.prepare(form, hf_tokenizer)
+        assert torch.equal(got["input_ids"], ref["input_ids"])
+        assert torch.equal(got["attention_mask"], ref["attention_mask"])
+
+
+def test_tensor_with_mask_keyword(hf_tokenizer):
+    batch = inputs.prepare(PROMPTS, hf_tokenizer)
+    got = inputs.prepare(batch["input_ids"], hf_tokenizer, attention_mask=batch["attention_mask"])
+    assert torch.equal(got["input_ids"], batch["input_ids"])
+    assert torch.equal(got["attention_mask"], batch["attention_mask"])
+
+
+def test_token_ids_need_no_tokenizer():
+    got = inputs.prepare([[5, 6, 7], [8]], None)
+    assert got["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert got["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_combine_invokes_left_pads_across_them(hf_tokenizer):
+    a = inputs.prepare(PROMPTS[0], hf_tokenizer)
+    b = inputs.prepare(PROMPTS[1:], hf_tokenizer)
+    both, slices = inputs.combine([a, b], hf_tokenizer)
+    ref = inputs.prepare(PROMPTS, hf_tokenizer)
+    assert slices == [slice(0, 1), slice(1, 3)]
+    for k in ref:
+        assert torch.equal(both[k], ref[k])
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ([], ValueError, r"the list of prompts is empty: pass at least one prompt"),
+        ("", ValueError, r"prompt 0 is an empty string"),
+        (["ok", ""], ValueError, r"prompt 1 is an empty string"),
+        (3, TypeError, r"cannot use a value of type int as a prompt; accepted inputs are a string, a list of strings"),
+        (None, TypeError, r"cannot use a value of type NoneType as a prompt"),
+        (["a", 1], TypeError, r"cannot use a list of int, str values as prompts"),
+        (torch.tensor([[0.5, 1.0]]), TypeError, r"integer token ids, got a tensor of dtype torch.float32"),
+        (torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"must be 1-D .* or 2-D .*got shape \(1, 2, 3\)"),
+        (torch.zeros(1, 0, dtype=torch.long), ValueError, r"input_ids is empty"),
+        ({"attention_mask": [[1]]}, TypeError, r"an input dict must contain 'input_ids'"),
+        ({"input_ids": [[1]], "pixel_values": [[1]]}, TypeError, r"cannot batch the input dict's fields \['pixel_values'\]"),
+        ({"input_ids": [[1, 2]], "attention_mask": [[0, 0]]}, ValueError, r"attention_mask is all zeros"),
+    ],
+)
+def test_bad_inputs(hf_tokenizer, bad, error, message):
+    with pytest.raises(error, match=message):
+        inputs.prepare(bad, hf_tokenizer)
+
+
+def test_text_without_tokenizer():
+    with pytest.raises(TypeError, match=r"string prompts need a tokenizer.*pass tokenizer=\.\.\."):
+        inputs.prepare("hello", None)
+
+
+def test_mask_shape_mismatch(hf_tokenizer):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\)"):
+        inputs.prepare(torch.tensor([[1, 2, 3]]), hf_tokenizer, attention_mask=torch.tensor([[1, 1]]))

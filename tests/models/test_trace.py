@@ -1,0 +1,230 @@
+"""LanguageModel.trace: prompts in every form, batching across invokes, reads and edits.
+
+References: the plain transformers model with plain forward hooks, each prompt run alone.
+"""
+
+import pytest
+import torch
+
+from conftest import encode, layers
+
+PROMPTS = ["hello", "the capital of france is paris and", "a b c"]
+
+
+def hook_outputs(module, fn, **kwargs):
+    """Run `fn()` with a forward hook on `module`; the outputs it saw (and edits via kwargs)."""
+    seen = []
+    edit = kwargs.get("edit")
+
+    def hook(mod, args, output):
+        if edit is not None:
+            output = edit(output)
+        seen.append(output.clone())
+        return output
+
+    handle = module.register_forward_hook(hook)
+    try:
+        result = fn()
+    finally:
+        handle.remove()
+    return seen, result
+
+
+def test_trace_reads_equal_plain_hooks(lm, hf_model, hf_tokenizer, arch):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        seen, ref = hook_outputs(layers(hf_model, arch)[0], lambda: hf_model(ids))
+    with torch.no_grad():
+        with lm.trace(PROMPTS[1]) as tracer:
+            h0 = layers(lm, arch)[0].output.save()
+            logits = tracer.result.logits.save()
+    torch.testing.assert_close(h0, seen[0])
+    torch.testing.assert_close(logits, ref.logits)
+
+
+def test_edit_equals_plain_hook_edit(lm, hf_model, hf_tokenizer, arch):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        _, ref = hook_outputs(layers(hf_model, arch)[0].mlp, lambda: hf_model(ids), edit=lambda o: o * 0)
+        plain = hf_model(ids).logits
+        with lm.trace(PROMPTS[1]):
+            layers(lm, arch)[0].mlp.output[:] = 0
+            logits = lm.lm_head.output.save()
+    torch.testing.assert_close(logits, ref.logits)
+    assert not torch.allclose(logits, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("form", ["strings", "id lists", "tensor+mask", "batch encoding", "keywords"])
+def test_batched_prompts_equal_each_alone(lm, hf_model, hf_tokenizer, form):
+    lengths = [len(hf_tokenizer(p)["input_ids"]) for p in PROMPTS]
+    padded = lm.tokenizer(PROMPTS, padding=True, return_tensors="pt")  # lm's: left, eos as pad
+    inputs = {
+        "strings": PROMPTS,
+        "id lists": [hf_tokenizer(p)["input_ids"] for p in PROMPTS],
+        "tensor+mask": padded["input_ids"],
+        "batch encoding": padded,
+        "keywords": None,
+    }[form]
+    kwargs = {"attention_mask": padded["attention_mask"]} if form in ("tensor+mask", "keywords") else {}
+    if form == "keywords":
+        kwargs["input_ids"] = padded["input_ids"]
+    args = () if inputs is None else (inputs,)
+    with torch.no_grad():
+        with lm.trace(*args, **kwargs) as tracer:
+            logits = tracer.result.logits.save()
+        for i, n in enumerate(lengths):
+            alone = hf_model(encode(hf_tokenizer, PROMPTS[i])).logits[0]
+            torch.testing.assert_close(logits[i, -n:], alone)
+
+
+def test_invokes_of_different_lengths(lm, hf_model, hf_tokenizer, arch):
+    """Each invoke sees its own rows, left-padded to the longest invoke, equal to it alone."""
+    with torch.no_grad():
+        with lm.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                a = layers(lm, arch)[1].output.save()
+            with tracer.invoke(PROMPTS[1:]):
+                layers(lm, arch)[0].mlp.output[:] = 0  # edits only invoke 1's rows
+                b = layers(lm, arch)[1].output.save()
+    logits = tracer.result.logits  # after the block: the whole batch's return value
+    n0 = len(hf_tokenizer(PROMPTS[0])["input_ids"])
+    assert a.shape[0] == 1 and b.shape[0] == 2
+    with torch.no_grad():
+        seen, ref0 = hook_outputs(layers(hf_model, arch)[1], lambda: hf_model(encode(hf_tokenizer, PROMPTS[0])))
+    torch.testing.assert_close(a[0, -n0:], seen[0][0])
+    torch.testing.assert_close(logits[0, -n0:], ref0.logits[0])
+    zero = layers(hf_model, arch)[0].mlp.register_forward_hook(lambda m, i, o: o * 0)
+    try:
+        with torch.no_grad():
+            for row, text in zip((1, 2), PROMPTS[1:]):
+                n = len(hf_tokenizer(text)["input_ids"])
+                ref = hf_model(encode(hf_tokenizer, text)).logits[0]
+                torch.testing.assert_close(logits[row, -n:], ref)
+    finally:
+        zero.remove()
+    with torch.no_grad():
+        plain = hf_model(encode(hf_tokenizer, PROMPTS[1])).logits[0]
+    n1 = len(hf_tokenizer(PROMPTS[1])["input_ids"])
+    assert not torch.allclose(logits[1, -n1:], plain, atol=1e-3)
+
+
+def test_envoy_tree_and_fallthrough(lm, arch):
+    assert len(layers(lm, arch)) == 2
+    assert lm.config.vocab_size == len(lm.tokenizer)
+    with pytest.raises(AttributeError, match="has no submodule or attribute 'nope'"):
+        lm.nope
+    # Outside a trace the wrapped model runs as the plain module.
+    ids = encode(lm.tokenizer, "hello")
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids).logits, lm._module(ids).logits)
+
+
+def test_unknown_keyword_is_an_error(lm):
+    with pytest.raises(TypeError, match=r"forward does not take 'max_new_tokens'.*belong to model.generate\(\)"):
+        with lm.trace("hello", max_new_tokens=3):
+            pass
+    with pytest.raises(TypeError, match=r"forward does not take 'temprature'") as info:
+        with lm.trace("hello", temprature=0.5):
+            lm.lm_head.output.save()
+    assert isinstance(info.value, ValueError)  # UnknownKeywordError is both
+
+
+def test_known_keywords_reach_the_model(lm, hf_model, hf_tokenizer):
+    with torch.no_grad():
+        with lm.trace("hello world", output_hidden_states=True) as tracer:
+            out = tracer.result.save()
+        ref = hf_model(encode(hf_tokenizer, "hello world"), output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == 3
+    torch.testing.assert_close(out.hidden_states[-1], ref.hidden_states[-1])
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (([],), ValueError, r"the list of prompts is empty"),
+        ((42,), TypeError, r"cannot use a value of type int as a prompt"),
+        (("a", "b"), TypeError, r"got 2 positional inputs; pass one prompt"),
+        (((1.5, 2.5),), TypeError, r"cannot use a list of float values as prompts"),
+    ],
+)
+def test_bad_inputs_raise_at_trace(lm, args, error, message):
+    with pytest.raises(error, match=message):
+        with lm.trace(*args):
+            lm.lm_head.output.save()
+    # The model is clean and usable afterwards.
+    with lm.trace("hello") as tracer:
+        ok = tracer.result.logits.save()
+    assert ok.shape[0] == 1
+
+
+def test_position_ids_given_is_refused(lm):
+    with pytest.raises(TypeError, match=r"position_ids are computed from the attention mask"):
+        with lm.trace("hello", position_ids=torch.tensor([[0]])):
+            pass
+
+
+def test_wrapped_module_without_tokenizer_takes_ids(hf_model, hf_tokenizer):
+    from interlace import LanguageModel
+
+    model = LanguageModel(hf_model)
+    ids = encode(hf_tokenizer, "hello world")
+    with torch.no_grad():
+        with model.trace(ids) as tracer:
+            logits = tracer.result.logits.save()
+        torch.testing.assert_close(logits, hf_model(ids).logits)
+    with pytest.raises(TypeError, match=r"string prompts need a tokenizer"):
+        with model.trace("hello"):
+            pass
+
+
+def test_skip_a_layer_like_an_identity_hook(lm, hf_model, hf_tokenizer, arch):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+
+    def identity(module, args, kwargs, output):
+        return args[0] if args else kwargs["hidden_states"]
+
+    handle = layers(hf_model, arch)[1].register_forward_hook(identity, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            ref = hf_model(ids).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = hf_model(ids).logits
+        with lm.trace(PROMPTS[1]) as tracer:
+            layers(lm, arch)[1].skip(layers(lm, arch)[0].output)
+            logits = tracer.result.logits.save()
+    torch.testing.assert_close(logits, ref)
+    assert not torch.allclose(logits, plain, atol=1e-3)
+
+
+def test_stop_keeps_what_was_saved(lm, arch):
+    calls = []
+    handle = lm._module.lm_head.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        with torch.no_grad():
+            with lm.trace(PROMPTS[0]) as tracer:
+                h = layers(lm, arch)[0].output.save()
+                tracer.stop()
+    finally:
+        handle.remove()
+    assert calls == []  # the model stopped before its head
+    assert h.shape[:2] == (1, len(lm.tokenizer(PROMPTS[0])["input_ids"]))
+
+
+def test_gradients_equal_autograd(lm, hf_model, hf_tokenizer, arch):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+    seen = []
+    handle = layers(hf_model, arch)[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        loss = hf_model(ids).logits[0, -1].logsumexp(-1)
+    finally:
+        handle.remove()
+    (ref,) = torch.autograd.grad(loss, seen[0])
+    with lm.trace(PROMPTS[1]):
+        h = layers(lm, arch)[0].output
+        loss = lm.lm_head.output[0, -1].logsumexp(-1)
+        with loss.backward():
+            grad = h.grad.save()
+    torch.testing.assert_close(grad, ref)
+    assert grad.abs().sum() > 0
