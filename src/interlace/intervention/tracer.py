@@ -15,12 +15,13 @@ from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from ..tracing import blocks as _blocks
 from .grads import block_uses_backward
+from .iteration import IterMixin
 from .mediator import ENDED_EARLY
 
 _NOT_YET = object()
 
 
-class InterleavingTracer(Tracer):
+class InterleavingTracer(IterMixin, Tracer):
     """`with model.trace(*inputs) as tracer:` - see the module docstring."""
 
     def __init__(self, model, args=(), kwargs=None, run=None):

@@ -12,7 +12,6 @@ import inspect
 import torch
 
 from ..errors import InterlaceError
-from ..intervention.iteration import IterMixin
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs
 from .loading import load_model, load_tokenizer, resolve_dtype
@@ -235,8 +234,8 @@ class LanguageModel(Model):
         return torch.device("cpu")
 
 
-class LanguageTracer(IterMixin, InterleavingTracer):
-    """The tracer of `LanguageModel.trace`/`generate`: an interleaving tracer with `iter`/`all`."""
+class LanguageTracer(InterleavingTracer):
+    """The tracer of `LanguageModel.trace`/`generate` (`iter`/`all` come from every interleaving tracer)."""
 
 
 class _Run:
