@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x "$(PY)" || "$(PYTHON311)" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q "setuptools>=64" "Cython>=3.0" wheel
+	$(PY) -m pip install -q "setuptools>=77" "Cython>=3.0" wheel
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo]"
 	touch $(STAMP)
 
@@ -44,7 +44,7 @@ test-core-versions:
 	  venv=.venv$$(echo $$v | tr -d .); \
 	  test -x $$venv/bin/python || $$py -m venv $$venv; \
 	  $$venv/bin/python -m pip install -q --upgrade pip; \
-	  $$venv/bin/python -m pip install -q "setuptools>=64" "Cython>=3.0" wheel bytecode pytest coverage; \
+	  $$venv/bin/python -m pip install -q "setuptools>=77" "Cython>=3.0" wheel bytecode pytest coverage; \
 	  $$venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .; \
 	  INTERLACE_REQUIRE_EXTENSIONS=1 $$venv/bin/python setup.py -q build_ext --inplace; \
 	  echo "== Python $$v, native"; \
