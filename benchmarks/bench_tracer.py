@@ -3,13 +3,17 @@
     python benchmarks/bench_tracer.py           # this interpreter, both paths
     python benchmarks/bench_tracer.py --all     # every .venv* interpreter in the repo
 
-Rows (median of REPEATS runs of N entries each, same process, ratios to nullcontext):
+Rows (median of REPEATS rounds of N entries each, the rows taking turns within a round, in
+CPU time of this process, ratios to nullcontext):
 
 * nullcontext        `with contextlib.nullcontext(): x = 1`
 * native skip, C     the compiled mechanism alone: `frames.FastSkip`, enter/exit in C,
                      plans made by skip.plan (what a C fast path of the Tracer would cost)
 * native skip, Py    the same with __enter__/__exit__ in Python calling skip.arm/disarm
-* native Tracer      `interlace.Tracer` with a backend that does nothing
+* native Tracer      `interlace.Tracer` with a backend that does nothing: the whole Tracer
+                     (its __init__, the warm __enter__/__exit__ in C, the backend call)
+* native Tracer, Py  the same Tracer with its Python __enter__/__exit__ (the policy methods the
+                     C warm path shortcuts; what every entry cost before the warm path)
 * twin skip / Tracer the same with INTERLACE_NO_EXTENSIONS=1 (a child process)
 * settrace ref       nnsight's way, written here: sys.settrace + frame.f_trace raising at
                      the first body line, suppressed in __exit__
@@ -29,6 +33,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -71,17 +76,26 @@ def make_runner(cm_factory):
         for _ in range(n):
             with cm_factory():
                 x = 1  # noqa: F841
-    return run
+
+    # A code object of its own per row: with sites are keyed by code object, and a row must
+    # not pay for another's (e.g. nullcontext for the monitoring events a skip enabled).
+    return types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, None,
+                              run.__closure__)
 
 
-def per_entry(run) -> float:
-    run(200)  # warm: capture, plan, quickening
-    times = []
+def per_entry(runs: dict) -> dict:
+    """us per entry of each runner: the median of REPEATS rounds, the runners taking turns
+    within each round (so a burst of load on a shared machine hits every row alike), timed in
+    CPU time of this process (time spent descheduled does not count)."""
+    for run in runs.values():
+        run(200)  # warm: capture, plan, quickening
+    times = {name: [] for name in runs}
     for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        run(N)
-        times.append((time.perf_counter() - t0) / N)
-    return statistics.median(times) * 1e6
+        for name, run in runs.items():
+            t0 = time.process_time()
+            run(N)
+            times[name].append((time.process_time() - t0) / N)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def measure_here() -> dict:
@@ -125,8 +139,7 @@ def measure_here() -> dict:
             return True
 
     out = {"native": interlace.native, "python": sys.version.split()[0]}
-    out["nullcontext"] = per_entry(make_runner(contextlib.nullcontext))
-    out["skip"] = per_entry(make_runner(SkipOnly))
+    runs = {"nullcontext": make_runner(contextlib.nullcontext), "skip": make_runner(SkipOnly)}
 
     # the same site with enter/exit written in C (frames.FastSkip), plans from skip.plan
     plans = {}
@@ -161,10 +174,21 @@ def measure_here() -> dict:
                 x = 1  # noqa: F841
             first[0] = False
 
-    out["fastskip"] = per_entry(run_fast)
-    out["tracer"] = per_entry(make_runner(lambda: Tracer(backend=nothing)))
+    runs["fastskip"] = run_fast
+    runs["tracer"] = make_runner(lambda: Tracer(backend=nothing))
+
+    from interlace.tracing import tracer as tracer_module
+
+    class PolicyTracer(Tracer):
+        """The Tracer with its Python __enter__/__exit__ only (no C warm path)."""
+
+        __enter__ = tracer_module._policy_enter
+        __exit__ = tracer_module._policy_exit
+
+    runs["tracer_py"] = make_runner(lambda: PolicyTracer(backend=nothing))
     if not os.environ.get("INTERLACE_NO_EXTENSIONS"):
-        out["settrace"] = per_entry(make_runner(SettraceSkip))
+        runs["settrace"] = make_runner(SettraceSkip)
+    out.update(per_entry(runs))
     return out
 
 
@@ -219,12 +243,14 @@ def show(r: dict) -> None:
         ("native skip, C enter/exit", n["fastskip"], base),
         ("native skip, Python enter/exit", n["skip"], base),
         ("native Tracer (no-op backend)", n["tracer"], base),
+        ("native Tracer, Python enter/exit", n["tracer_py"], base),
         ("twin skip, Python enter/exit", t["skip"], t["nullcontext"]),
         ("twin Tracer (no-op backend)", t["tracer"], t["nullcontext"]),
+        ("twin Tracer, Python enter/exit", t["tracer_py"], t["nullcontext"]),
         ("settrace reference (nnsight)", n["settrace"], base),
     ]
     for name, us, ref in rows:
-        print(f"  {name:32s} {us:8.3f} us   {us / ref:6.2f}x nullcontext")
+        print(f"  {name:33s} {us:8.3f} us   {us / ref:6.2f}x nullcontext")
     print(f"  settrace ref / native C skip     {n['settrace'] / n['fastskip']:6.2f}x")
     print(f"  settrace ref / native skip       {n['settrace'] / n['skip']:6.2f}x")
     print(f"  settrace ref / native Tracer     {n['settrace'] / n['tracer']:6.2f}x")

@@ -17,6 +17,9 @@ cdef extern from "_cframes_impl.h":
     int ilc_split_super(object code, int unit) except -1
     int ilc_redirect(object code, int unit, int delta) except -1
     Py_ssize_t ilc_armed_count()
+    object ilc_tracer_methods(object type, object enter, object exit, object reraise, object blocks,
+                              object block_type, object plan_type, object enter_code_ids,
+                              object local, object current)
 
 COMPILED = True
 
@@ -48,6 +51,18 @@ def arm(frame, int lo, int hi, int exit_unit, int mode):
 def disarm(handle):
     """Undo `arm` (restoring any chained tracer); True if the skip fired."""
     return ilc_disarm(handle) == 1
+
+
+def tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
+                   local, current):
+    """(__enter__, __exit__) for `cls` (the Tracer): C methods that do a warm site's mechanism
+    (lookup, arm, disarm, the backend call) and call the Python methods
+    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for the rest (policy), and
+    `reraise(self, error)` for a backend's error. The other arguments are the objects the
+    warm path reads: BLOCKS, Block, SkipPlan, the __enter__ code ids to look past, skip's
+    thread-local stack and the trace-state ContextVar (see _cframes_impl.c)."""
+    return ilc_tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
+                              local, current)
 
 
 def armed_count():

@@ -349,3 +349,239 @@ int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
     return 1;
 }
 #endif
+
+/* ------------------------------------------------------- Tracer warm path (all) ---- *
+ * Tracer.__enter__/__exit__ as C methods (no Python frame, no traceback entry of ours).
+ * Mechanism only: on a warm site they look up what Python already decided (the Block in
+ * BLOCKS, its SkipPlan's arm arguments) and arm/disarm exactly as skip.arm/skip.disarm do,
+ * on the same thread-local stack, and call the backend. Anything else (a miss, a negative verdict, a pass-only
+ * body, a subclass's __enter__ calling super().__enter__(), an exception, a skip that did
+ * not fire) calls the Python methods, which hold the whole policy; so does a backend error
+ * (cleaning its traceback). */
+
+static PyObject *tr_enter = NULL;     /* strong: Python __enter__(self, frame) */
+static PyObject *tr_exit = NULL;      /* strong: Python __exit__(self, t, v, tb, fired) */
+static PyObject *tr_reraise = NULL;   /* strong: Python (self, error): clean, re-raise, clear */
+static PyObject *tr_blocks = NULL;    /* strong: blocks.BLOCKS (dict) */
+static PyObject *tr_block_type = NULL;/* strong: blocks.Block */
+static PyObject *tr_plan_type = NULL; /* strong: skip.SkipPlan */
+static PyObject *tr_enter_ids = NULL; /* strong: tracer._ENTER_CODE_IDS (set) */
+static PyObject *tr_local = NULL;     /* strong: skip._local (threading.local) */
+static PyObject *tr_current = NULL;   /* strong: save._CURRENT (ContextVar) */
+static PyObject *s_capture_key, *s_passonly, *s_skip_plan, *s_arm_args, *s_block, *s_parent,
+                *s_frame, *s_plan, *s_stack, *s_state, *s_backend;  /* interned, strong */
+
+static inline int frame_lasti_bytes(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    return f->f_lasti < 0 ? -1 : f->f_lasti * (int)sizeof(_Py_CODEUNIT);
+#endif
+}
+
+/* The warm path of __enter__. self, frame: borrowed. Returns 1 armed (self's fields set),
+   0 not warm (nothing changed, no error), -1 with an error set. */
+static int tracer_enter_warm(PyObject *self, PyFrameObject *f) {
+    int result = 0, contains;
+    PyObject *cid = NULL, *lasti = NULL, *ckey = NULL, *key = NULL, *entry, *block = NULL;
+    PyObject *passonly = NULL, *plan = NULL, *args = NULL, *parent = NULL, *stack = NULL;
+    PyObject *handle = NULL, *item = NULL;
+    long a[4];
+    PyCodeObject *code = PyFrame_GetCode(f);          /* new reference */
+    cid = PyLong_FromVoidPtr(code);                   /* id(code); the frame keeps code alive */
+    Py_DECREF(code);
+    if (cid == NULL) return -1;
+    contains = PySet_Contains(tr_enter_ids, cid);     /* a subclass's __enter__ frame */
+    if (contains != 0) { result = contains < 0 ? -1 : 0; goto done; }
+    if ((lasti = PyLong_FromLong(frame_lasti_bytes(f))) == NULL) goto error;
+    if ((ckey = PyObject_GetAttr(self, s_capture_key)) == NULL) goto error;
+    if ((key = PyTuple_Pack(3, cid, lasti, ckey)) == NULL) goto error;
+    entry = PyDict_GetItemWithError(tr_blocks, key);  /* borrowed */
+    if (entry == NULL) { if (PyErr_Occurred()) goto error; goto done; }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 2) goto done;
+    block = PyTuple_GET_ITEM(entry, 1);
+    if ((PyObject *)Py_TYPE(block) != tr_block_type) { block = NULL; goto done; }
+    Py_INCREF(block);                                 /* ours: BLOCKS may change meanwhile */
+    if ((passonly = PyObject_GetAttr(block, s_passonly)) == NULL) goto error;
+    if (passonly != Py_False) goto done;              /* pass-only (or odd): Python's path */
+    if ((plan = PyObject_GetAttr(block, s_skip_plan)) == NULL) goto error;
+    if ((PyObject *)Py_TYPE(plan) != tr_plan_type) goto done;  /* None or a refusal */
+    args = PyObject_GetAttr(plan, s_arm_args);        /* cached in its __dict__ by skip.arm */
+    if (args == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
+        PyErr_Clear();
+        goto done;
+    }
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 4) goto done;
+    for (int k = 0; k < 4; k++) {
+        a[k] = PyLong_AsLong(PyTuple_GET_ITEM(args, k));
+        if (a[k] == -1 && PyErr_Occurred()) goto error;
+    }
+    stack = PyObject_GetAttr(tr_local, s_stack);      /* this thread's armed (plan, handle) */
+    if (stack == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
+        PyErr_Clear();
+        goto done;                                    /* first trace on this thread */
+    }
+    if (!PyList_CheckExact(stack)) goto done;
+    if (PyContextVar_Get(tr_current, NULL, &parent) < 0) goto error;  /* parent: new ref */
+    if (parent == NULL) { parent = Py_None; Py_INCREF(parent); }
+    /* the same order as the Python method: fields, then arm last (no Python code runs
+       between arming and the body start) */
+    if (PyObject_SetAttr(self, s_block, block) < 0) goto error;
+    if (PyObject_SetAttr(self, s_parent, parent) < 0) goto error;
+    if (PyObject_SetAttr(self, s_frame, (PyObject *)f) < 0) goto error;
+    if (PyObject_SetAttr(self, s_plan, plan) < 0) goto error;
+    if ((item = PyTuple_New(2)) == NULL) goto error;
+    if ((handle = ilc_arm((PyObject *)f, (int)a[0], (int)a[1], (int)a[2], (int)a[3])) == NULL) goto error;
+    Py_INCREF(plan);
+    PyTuple_SET_ITEM(item, 0, plan);
+    PyTuple_SET_ITEM(item, 1, handle);                /* steals handle */
+    handle = NULL;
+    if (PyList_Append(stack, item) < 0) goto error;
+    result = 1;
+    goto done;
+error:
+    result = -1;
+done:
+    Py_XDECREF(cid); Py_XDECREF(lasti); Py_XDECREF(ckey); Py_XDECREF(key);
+    Py_XDECREF(passonly); Py_XDECREF(plan); Py_XDECREF(args); Py_XDECREF(stack);
+    Py_XDECREF(parent); Py_XDECREF(handle); Py_XDECREF(item); Py_XDECREF(block);
+    return result;
+}
+
+/* __enter__(self). self: borrowed. Returns a new reference to self (or what the Python
+   method returns), NULL with an error set. */
+static PyObject *tracer_enter(PyObject *self, PyObject *unused) {
+    PyFrameObject *f = PyEval_GetFrame();             /* borrowed: the caller's frame */
+    if (f != NULL) {
+        int warm = tracer_enter_warm(self, f);
+        if (warm < 0) return NULL;
+        if (warm == 1) { Py_INCREF(self); return self; }
+    }
+    PyObject *argv[2] = {self, f != NULL ? (PyObject *)f : Py_None};
+    return PyObject_Vectorcall(tr_enter, argv, 2, NULL);
+}
+
+/* After a clean skip: run the backend; clear the per-run fields. self: borrowed. Returns
+   a new reference to True, or NULL with an error set. A backend error goes to the Python
+   `reraise(self, error)`, called as the Python __exit__ runs its `except` clause (the error
+   is the exception being handled), which drops our frames from its traceback, re-raises it
+   from the one frame that cannot be removed and clears the fields. */
+static PyObject *tracer_finish(PyObject *self) {
+    PyObject *backend = PyObject_GetAttr(self, s_backend);
+    PyObject *r = backend != NULL ? PyObject_CallOneArg(backend, self) : NULL;
+    Py_XDECREF(backend);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyObject *names[4] = {s_frame, s_plan, s_state, s_parent};
+        for (int k = 0; k < 4; k++)
+            if (PyObject_SetAttr(self, names[k], Py_None) < 0) return NULL;
+        Py_RETURN_TRUE;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *error = PyErr_GetRaisedException();      /* new reference, traceback attached */
+#else
+    PyObject *type, *error, *tb;
+    PyErr_Fetch(&type, &error, &tb);
+    PyErr_NormalizeException(&type, &error, &tb);
+    if (tb != NULL && error != NULL) PyException_SetTraceback(error, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+#endif
+    if (error == NULL) return NULL;
+    PyObject *old_type, *old_value, *old_tb;
+    PyErr_GetExcInfo(&old_type, &old_value, &old_tb);  /* new references */
+    Py_INCREF(Py_TYPE(error));
+    Py_INCREF(error);
+    PyErr_SetExcInfo((PyObject *)Py_TYPE(error), error, PyException_GetTraceback(error));  /* steals */
+    PyObject *argv[2] = {self, error};
+    PyObject *res = PyObject_Vectorcall(tr_reraise, argv, 2, NULL);
+    PyErr_SetExcInfo(old_type, old_value, old_tb);     /* steals: what was handled before */
+    Py_DECREF(error);
+    return res;
+}
+
+/* __exit__(self, exc_type, exc, tb). self, args: borrowed. Returns a new reference, NULL
+   with an error set. A clean warm exit disarms here; the Python method (told that the skip
+   fired or did not) runs the backend, cleans its errors and clears the per-run fields. */
+static PyObject *tracer_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *fired = NULL;
+    if (nargs == 3 && args[0] == Py_None) {
+        PyObject *plan = PyObject_GetAttr(self, s_plan);
+        if (plan == NULL) return NULL;
+        if (plan != Py_None) {
+            PyObject *stack = PyObject_GetAttr(tr_local, s_stack);
+            if (stack == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { Py_DECREF(plan); return NULL; }
+                PyErr_Clear();
+            } else {
+                Py_ssize_t n = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : 0;
+                PyObject *top = n > 0 ? PyList_GET_ITEM(stack, n - 1) : NULL;
+                if (top != NULL && PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 2
+                        && PyTuple_GET_ITEM(top, 0) == plan) {
+                    PyObject *handle = PyTuple_GET_ITEM(top, 1);
+                    Py_INCREF(handle);
+                    int popped = PyList_SetSlice(stack, n - 1, n, NULL);   /* stack.pop() */
+                    int r = popped < 0 ? -1 : ilc_disarm(handle);
+                    Py_DECREF(handle);
+                    if (r < 0) { Py_DECREF(stack); Py_DECREF(plan); return NULL; }
+                    fired = r ? Py_True : Py_False;
+                }
+                Py_DECREF(stack);
+            }
+        }
+        Py_DECREF(plan);
+    }
+    if (fired == Py_True) return tracer_finish(self);
+    if (fired != NULL) {
+        PyObject *argv[5] = {self, Py_None, Py_None, Py_None, fired};
+        return PyObject_Vectorcall(tr_exit, argv, 5, NULL);
+    }
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "__exit__() takes exactly 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *argv[4] = {self, args[0], args[1], args[2]};
+    return PyObject_Vectorcall(tr_exit, argv, 4, NULL);
+}
+
+static PyMethodDef tracer_enter_def = {"__enter__", (PyCFunction)tracer_enter, METH_NOARGS,
+    "__enter__($self, /)\n--\n\nCapture (memoised) and arm the skip of this with block's body."};
+static PyMethodDef tracer_exit_def = {"__exit__", (PyCFunction)(void (*)(void))tracer_exit,
+    METH_FASTCALL, "__exit__($self, exc_type, exc, tb, /)\n--\n\n"
+    "Disarm the skip; run the backend; re-raise its errors cleaned."};
+
+PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *reraise,
+                             PyObject *blocks,
+                             PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
+                             PyObject *local, PyObject *current) {
+    if (!PyType_Check(type) || !PyDict_CheckExact(blocks) || !PyType_Check(block_type)
+            || !PyType_Check(plan_type) || !PyAnySet_CheckExact(enter_ids)
+            || !PyContextVar_CheckExact(current)) {
+        PyErr_SetString(PyExc_TypeError, "tracer_methods(): unexpected argument types");
+        return NULL;
+    }
+#define INTERN(var, text) if (var == NULL && (var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_capture_key, "_capture_key"); INTERN(s_passonly, "passonly");
+    INTERN(s_skip_plan, "skip_plan"); INTERN(s_arm_args, "_arm_args"); INTERN(s_block, "block");
+    INTERN(s_parent, "_parent"); INTERN(s_frame, "_frame"); INTERN(s_plan, "_plan");
+    INTERN(s_stack, "stack"); INTERN(s_state, "_state"); INTERN(s_backend, "backend");
+#undef INTERN
+    Py_INCREF(enter); Py_XSETREF(tr_enter, enter);
+    Py_INCREF(exit_); Py_XSETREF(tr_exit, exit_);
+    Py_INCREF(reraise); Py_XSETREF(tr_reraise, reraise);
+    Py_INCREF(blocks); Py_XSETREF(tr_blocks, blocks);
+    Py_INCREF(block_type); Py_XSETREF(tr_block_type, block_type);
+    Py_INCREF(plan_type); Py_XSETREF(tr_plan_type, plan_type);
+    Py_INCREF(enter_ids); Py_XSETREF(tr_enter_ids, enter_ids);
+    Py_INCREF(local); Py_XSETREF(tr_local, local);
+    Py_INCREF(current); Py_XSETREF(tr_current, current);
+    PyObject *e = PyDescr_NewMethod((PyTypeObject *)type, &tracer_enter_def);
+    if (e == NULL) return NULL;
+    PyObject *x = PyDescr_NewMethod((PyTypeObject *)type, &tracer_exit_def);
+    if (x == NULL) { Py_DECREF(e); return NULL; }
+    PyObject *out = PyTuple_Pack(2, e, x);
+    Py_DECREF(e); Py_DECREF(x);
+    return out;
+}

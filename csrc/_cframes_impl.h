@@ -28,4 +28,13 @@ int ilc_split_super(PyObject *code, int unit);
 int ilc_redirect(PyObject *code, int unit, int delta);
 /* Number of live armed handles (for leak tests). */
 Py_ssize_t ilc_armed_count(void);
+/* All borrowed (kept as strong references by the module). Returns a NEW reference to a
+   tuple (__enter__, __exit__) of C method descriptors for `type`: the warm path of
+   Tracer.__enter__/__exit__, calling `enter(self, frame)` / `exit(self, t, v, tb[, fired])`
+   for everything else and `reraise(self, error)` for a backend's error. NULL with an error
+   set. */
+PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *reraise,
+                             PyObject *blocks,
+                             PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
+                             PyObject *local, PyObject *current);
 #endif

@@ -43,6 +43,24 @@ def redirect(code: CodeType, unit: int, delta: int) -> None:
 def write_back(frame: FrameType, values: Mapping[str, Any]) -> None:
     """Write values into the frame: fast locals and cells, module globals, class bodies."""
 
+def tracer_methods(
+    cls: type,
+    enter: Any,
+    exit: Any,
+    reraise: Any,
+    blocks: dict,
+    block_type: type,
+    plan_type: type,
+    enter_code_ids: set,
+    local: Any,
+    current: Any,
+) -> tuple[Any, Any]:
+    """(__enter__, __exit__) for the Tracer class: C methods doing a warm site's lookup, arm,
+    disarm and backend call, calling the Python `enter(self, frame)` /
+    `exit(self, t, v, tb, fired)` for everything else (a miss, pass-only bodies, subclass
+    __enter__ chains, exceptions) and `reraise(self, error)` for a backend's error. The twin
+    returns `enter` and `exit` unchanged."""
+
 def armed_count() -> int:
     """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11)."""
 

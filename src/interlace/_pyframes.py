@@ -181,6 +181,14 @@ else:  # 3.10 / 3.11: a chained Python trace function
         return rec.fired
 
 
+def tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
+                   local, current):
+    """(__enter__, __exit__) for `cls`: the twin has no warm path of its own, so these are
+    the Python methods `enter`/`exit` themselves (the compiled module returns C methods
+    that shortcut a warm site and call them for the rest)."""
+    return enter, exit
+
+
 class FastSkip:
     """Skip-only context manager for warm sites (see `_cframes.FastSkip`).
 

@@ -13,6 +13,13 @@ Errors: capture refusals (`WithBlockNotFoundError`, `UnsupportedBlockError`) are
 interlace's own frames removed from its traceback (the user's frames, in any file, stay; the
 one `__exit__` frame that re-raises it cannot be removed from Python). Body exceptions keep
 their type.
+
+Warm path: on the native path `Tracer.__enter__`/`__exit__` are C methods
+(`_cframes.tracer_methods`) that do only mechanism: for a site already captured and planned
+they look the Block up in BLOCKS, arm/disarm on skip's stack and call the backend, with no
+Python frame of ours. Everything else (a miss, a cached refusal, a pass-only body, a
+subclass's `__enter__` calling `super().__enter__()`, any exception, a backend error) goes to
+the Python methods below, which are the whole policy and, on the twin, the methods themselves.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import _native
 from ..errors import InterlaceError
 from . import blocks, skip
 from .backend import Backend
@@ -63,8 +71,11 @@ class Tracer:
         self.backend = _DEFAULT_BACKEND if backend is None else backend
 
     # -- the with protocol (hot path: a warm capture is one dict lookup) --------------------
-    def __enter__(self):
-        frame = _getframe(1)
+    # On the native path these two are replaced (below the class) by C methods that do a
+    # warm site's lookup, arm, disarm and backend call themselves and call these for the
+    # rest; `caller` and `_fired` are how they pass on what they already did.
+    def __enter__(self, caller=None):
+        frame = _getframe(1) if caller is None else caller
         code = frame.f_code
         if id(code) in _ENTER_CODE_IDS:  # a subclass's __enter__ called super().__enter__()
             while id(code) in _ENTER_CODE_IDS:
@@ -92,12 +103,12 @@ class Tracer:
         skip.arm(frame, plan)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type, exc, tb, _fired=None):
         plan = self._plan
         try:
             if plan is not None:
                 if exc_type is None:
-                    if not skip.disarm(plan):
+                    if not (skip.disarm(plan) if _fired is None else _fired):
                         raise InterlaceError(
                             f"{self.block.filename}:{self.block.lineno}: internal error: the body of this "
                             f"with block ran inline (the skip did not fire); the backend was not run so "
@@ -209,6 +220,33 @@ class Tracer:
 
 
 _ENTER_CODE_IDS.add(id(Tracer.__enter__.__code__))
+
+
+def __exit__(self, error):  # noqa: N807 - named so: it is the frame a backend error shows
+    """The C __exit__'s way out for a backend error (called as if in Tracer.__exit__'s
+    `except` clause): what that clause and its `finally` do."""
+    try:
+        __tracebackhide__ = True  # noqa: F841
+        _clean(error, None)
+        raise error
+    finally:
+        self._frame = self._plan = self._state = self._parent = None
+        del error  # as `except ... as error` does: this frame stays in the traceback
+
+
+_reraise = __exit__
+del __exit__
+
+
+# The warm path in C (the twin returns the Python methods unchanged): the mechanism of a warm
+# site (lookup in BLOCKS, arm/disarm on skip's stack, the backend call) without a Python
+# frame; the methods above stay the policy for everything else, and `_reraise` is the frame
+# that re-raises a backend error (named __exit__, as the Python method's frame was).
+_policy_enter, _policy_exit = Tracer.__enter__, Tracer.__exit__  # (benchmarks and tests use them)
+Tracer.__enter__, Tracer.__exit__ = _native.frames.tracer_methods(
+    Tracer, _policy_enter, _policy_exit, _reraise, BLOCKS, Block, skip.SkipPlan, _ENTER_CODE_IDS,
+    skip._local, _CURRENT,
+)
 _DEFAULT_BACKEND = Backend()  # stateless: one instance serves every tracer
 _getframe = sys._getframe
 _blocks_get = BLOCKS.get
