@@ -335,6 +335,15 @@ class Interleaver:
                 raise error
         return result
 
+    def _end_with(self, mediator, signal):
+        """Throw `signal` into a parked body; if it catches it and asks again, cancel it."""
+        self.current = mediator
+        try:
+            message = mediator.resume(signal)
+        finally:
+            self.current = None
+        if message == PARKED or message == STOPPED:
+            mediator.cancel()  # nothing more can come for it
     def _finish_parked(self):
         """The run is over: every body still waiting learns why (error, cut short, stop)."""
         if not self.name_waiters and not self.hub.nparked and self.stopper is None:
@@ -345,13 +354,7 @@ class Interleaver:
                     f"name {name!r} is not defined: the earlier invoke that assigns it never "
                     f"got there before the run ended"
                 )
-                self.current = mediator
-                try:
-                    message = mediator.resume(signal)
-                finally:
-                    self.current = None
-                if message == PARKED or message == STOPPED:
-                    mediator.cancel()
+                self._end_with(mediator, signal)
         self.name_waiters = []
         hub = self.hub
         waiting = [(None, None, self.stopper)] if self.stopper is not None else []
@@ -367,14 +370,7 @@ class Interleaver:
                 signal = IterationCutShort(message)
             else:
                 signal = OutOfOrderError(self._never_message(key, occ))
-            self.current = mediator
-            try:
-                message = mediator.resume(signal)
-            finally:
-                self.current = None
-            if message == PARKED or message == STOPPED:
-                # The body caught the signal and asked again: nothing more can come.
-                mediator.cancel()
+            self._end_with(mediator, signal)
         for message, filename, lineno in self.cut_short:
             warnings.warn_explicit(IterationCutShortWarning(message), IterationCutShortWarning,
                                    filename, lineno)
