@@ -97,7 +97,11 @@ class Tracer:
             return self
         plan = block.skip_plan  # one plan per (code, instruction), like the block itself
         if plan is None or plan.__class__ is _Refusal:
-            plan = _plan(frame, block)
+            try:
+                plan = _plan(frame, block)
+            except InterlaceError as error:
+                __tracebackhide__ = True  # noqa: F841
+                raise error.with_traceback(None)  # the skip's analysis is ours, not the user's
         self._frame = frame
         self._plan = plan
         skip.arm(frame, plan)
