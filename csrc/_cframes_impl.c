@@ -91,6 +91,20 @@ static inline void frame_jump(PyFrameObject *f, int unit) {
 #endif
 }
 
+/* A new Armed record for `frame` (borrowed; the record keeps a new reference), nothing
+   installed yet. Returns a new reference, or NULL with an exception set. */
+static Armed *new_armed(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
+    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "arm() needs a frame"); return NULL; }
+    Armed *a = PyObject_New(Armed, &ArmedType);
+    if (a == NULL) return NULL;
+    Py_INCREF(frame);
+    a->frame = frame;
+    a->lo = lo; a->hi = hi; a->exit_unit = exit_unit; a->mode = mode;
+    a->fired = 0; a->live = 1;
+    a->prev_func = NULL; a->prev_obj = NULL; a->saved_opcodes = 0; a->installed = 0;
+    return a;
+}
+
 /* ------------------------------------------------------------------ 3.10 / 3.11 ---- */
 #if PY_VERSION_HEX < 0x030C0000
 
@@ -161,13 +175,8 @@ done:
 
 PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
     PyThreadState *tstate = PyThreadState_Get();
-    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "arm() needs a frame"); return NULL; }
-    Armed *a = PyObject_New(Armed, &ArmedType);
+    Armed *a = new_armed(frame, lo, hi, exit_unit, mode);
     if (a == NULL) return NULL;
-    Py_INCREF(frame);
-    a->frame = frame;
-    a->lo = lo; a->hi = hi; a->exit_unit = exit_unit; a->mode = mode;
-    a->fired = 0; a->live = 1;
     a->prev_func = tstate->c_tracefunc;
     a->prev_obj = tstate->c_traceobj;
     Py_XINCREF(a->prev_obj);
@@ -207,18 +216,12 @@ static Armed *armed[MAX_ARMED];          /* strong references */
 static Py_ssize_t n_armed = 0;
 
 PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
-    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "arm() needs a frame"); return NULL; }
     if (n_armed >= MAX_ARMED) {
         PyErr_SetString(PyExc_RuntimeError, "interlace: too many traces armed at once (256)");
         return NULL;
     }
-    Armed *a = PyObject_New(Armed, &ArmedType);
+    Armed *a = new_armed(frame, lo, hi, exit_unit, mode);
     if (a == NULL) return NULL;
-    Py_INCREF(frame);
-    a->frame = frame;
-    a->lo = lo; a->hi = hi; a->exit_unit = exit_unit; a->mode = mode;
-    a->fired = 0; a->live = 1;
-    a->prev_func = NULL; a->prev_obj = NULL; a->saved_opcodes = 0; a->installed = 0;
     Py_INCREF(a);
     armed[n_armed++] = a;                  /* the table's reference */
     return (PyObject *)a;
