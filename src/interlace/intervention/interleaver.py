@@ -44,6 +44,7 @@ from .mediator import (
 )
 
 _MISSING = object()
+_WAIT = object()
 
 # Hooks go straight into the module's hook dicts, exactly as `register_forward_(pre_)hook`
 # puts them there, minus the `RemovableHandle` and its weakrefs (a third of a trace's hook
@@ -175,6 +176,10 @@ class ModelState:
         return ", ".join(names[:limit]) + more
 
 
+def _invoke_order(mediator):
+    return mediator.index
+
+
 class Interleaver:
     """One run of a model with its mediators (one per body / invoke)."""
 
@@ -196,7 +201,7 @@ class Interleaver:
         self.cut_short = []  # (message, filename, lineno) warned at the end
         self.stopper = None
         self.last_write = None  # (location, filename, lineno) of the body's latest assignment
-        self.shared = None  # invokes' variables, by name, as of each invoke's last pause
+        self.shared = None  # per invoke: its variables, by name, as of its last pause
         self.name_waiters = []  # (name, mediator): bodies waiting for an earlier invoke's variable
         self.skipped = False  # a skip changes which modules run: do not learn that order
         self.root_call = False  # the run is one call of the root: its events are fired by hand
@@ -262,7 +267,7 @@ class Interleaver:
             self._hook(0)
 
         if len(self.mediators) > 1:
-            self.shared = {}
+            self.shared = [{} for _ in self.mediators]
         for mediator in self.mediators:
             self.current = mediator
             try:
@@ -384,7 +389,9 @@ class Interleaver:
             self.stopper = mediator
 
     def _serve(self, event, waiters):
-        """Hand `event` to each waiting body in turn (model side, inside a hook)."""
+        """Hand `event` to each waiting body in turn, in invoke order (model side, in a hook)."""
+        if len(waiters) > 1:
+            waiters.sort(key=_invoke_order)
         for mediator in waiters:
             self._resume(mediator, event)
             if self.shared is not None:
@@ -405,6 +412,12 @@ class Interleaver:
             raise _Stop()
 
     # -- variables shared between invokes -----------------------------------------------------
+    #
+    # The rule (an invoke's body behaves as if it ran inline where its `with` stands): a name
+    # the body reads but does not assign, which an EARLIER invoke's body assigns, is that
+    # earlier body's value - the latest earlier invoke that assigns it wins, as inline. Bodies
+    # publish their variables whenever they pause or end; a reader whose provider has not
+    # bound the name yet waits for it (the model runs on meanwhile).
 
     def _share(self, mediator, event):
         """`mediator` paused or ended: publish its variables, wake bodies waiting for them."""
@@ -414,19 +427,12 @@ class Interleaver:
             progress = False
             for entry in list(self.name_waiters):
                 name, waiter = entry
-                if name in self.shared:
-                    payload = None
-                elif self._providers(name, waiter):
+                if self._resolve(name, waiter) is _WAIT:
                     continue
-                else:
-                    payload = NameError(
-                        f"name {name!r} is not defined: no earlier invoke assigned it before "
-                        f"it ended"
-                    )
                 self.name_waiters.remove(entry)
                 progress = True
                 if self.failure is None and not self.stopped:
-                    self._resume(waiter, event, payload)
+                    self._resume(waiter, event)
                     self._publish(waiter)
 
     def _publish(self, mediator):
@@ -447,28 +453,59 @@ class Interleaver:
                 frame = frame.f_back
             if values is None:
                 return
-        shared = self.shared
+        published = self.shared[mediator.index]
+        if mediator.finished:
+            for name in assigns:
+                if name in values:
+                    published[name] = values[name]
+            return
+        # A paused body has not necessarily assigned its names yet: one that still holds the
+        # caller's value it started with is not the body's value (a reader waits for that).
+        entry = fn.tracer._entry_values
         for name in assigns:
             if name in values:
-                shared[name] = values[name]
+                value = values[name]
+                if name not in entry or entry[name] is not value:
+                    published[name] = value
 
-    def _providers(self, name, mediator):
-        """Earlier invokes, still running, whose bodies assign `name`."""
-        return [
-            m for m in self.mediators[: mediator.index]
-            if not m.finished and name in (getattr(m.fn, "assigns", None) or ())
-        ]
+    def _resolve(self, name, reader):
+        """What `reader` sees of `name` from earlier invokes: a value, `_MISSING` (no earlier
+        invoke binds it: the caller's value or a global applies) or `_WAIT` (the latest
+        earlier invoke that assigns it is still running and has not bound it yet)."""
+        for provider in reversed(self.mediators[: reader.index]):
+            if name not in (getattr(provider.fn, "assigns", None) or ()):
+                continue
+            published = self.shared[provider.index]
+            if name in published:
+                return published[name]
+            if not provider.finished:
+                return _WAIT
+        return _MISSING
 
-    def wait_for_name(self, name):
-        """Body side: `name` is not defined yet; wait for the earlier invoke that assigns it."""
+    def assigned_earlier(self, name):
+        """Body side: does an invoke before the current one assign `name`?"""
         mediator = self.current
-        if (mediator is None or mediator.worker is not getcurrent() or self.done
-                or not self._providers(name, mediator)):
-            raise KeyError(name)
-        self.name_waiters.append((name, mediator))
-        mediator.event = None
-        mediator.wait(PARKED)
-        return self.shared[name]
+        return mediator is not None and self.shared is not None and any(
+            name in (getattr(m.fn, "assigns", None) or ()) for m in self.mediators[: mediator.index]
+        )
+
+    def shared_value(self, name, default):
+        """Body side: `name` as an earlier invoke bound it, waiting for that invoke if it has
+        not bound it yet; `default` when no earlier invoke binds it."""
+        mediator = self.current
+        if mediator is None or self.shared is None or mediator.worker is not getcurrent():
+            return default
+        while True:
+            value = self._resolve(name, mediator)
+            if value is _MISSING:
+                return default
+            if value is not _WAIT:
+                return value
+            if self.done:
+                return default
+            self.name_waiters.append((name, mediator))
+            mediator.event = None
+            mediator.wait(PARKED)
 
     # -- hooks ---------------------------------------------------------------------------
 

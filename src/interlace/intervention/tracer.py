@@ -10,6 +10,7 @@ batched into one forward pass with one mediator per invoke body, each seeing its
 from __future__ import annotations
 
 import ast
+import builtins
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
@@ -19,6 +20,7 @@ from .iteration import IterMixin
 from .mediator import ENDED_EARLY
 
 _NOT_YET = object()
+_BUILTINS = builtins.__dict__
 
 
 class InterleavingTracer(IterMixin, Tracer):
@@ -93,6 +95,7 @@ class Invoker(Tracer):
         self.parent = parent
         self._deferred = None  # (frame, save state) kept for the deferred run
         self._code = None  # the code object the body runs as (to find its frame when parked)
+        self._entry_values = {}  # the caller's values of names the body assigns, at entry
 
     def build(self, block, params):
         """The core's build, except that names the body only reads stay global lookups.
@@ -115,51 +118,77 @@ class Invoker(Tracer):
 
     def execute(self, block, namespace=None):
         interleaver = self.parent.model._active()
-        if interleaver is None or interleaver.shared is None:
+        if interleaver is None or interleaver.shared is None or self._deferred is None:
             return super().execute(block, namespace)
-        frame = self._frame
-        if namespace is None:
-            namespace = frame.f_locals
-        params = tuple([name for name in block.names if name in namespace])
-        globals_ = _SharedGlobals(frame.f_globals, interleaver)
+        frame, _, caller, shadowed = self._deferred
+        # Names an earlier invoke assigns are not parameters: they are looked up (through
+        # `_SharedGlobals`) in that earlier body first, and in `caller` only if it never binds them.
+        params = tuple([name for name in block.names if name in caller and name not in shadowed])
+        globals_ = _SharedGlobals(frame.f_globals, interleaver, caller)
         function = _blocks.make_function(block.function_code(params, self), globals_)
         self._code = function.__code__
-        result = function(*[namespace[name] for name in params])
+        # what the body's own names start as: not published until the body rebinds them
+        self._entry_values = {name: caller[name] for name in params if name in block.assigned_names}
+        result = function(*[caller[name] for name in params])
         result.pop(_blocks.LOCALS_PARAM, None)
         return result
 
 
 class _SharedGlobals(dict):
-    """An invoke body's globals: earlier invokes' variables, then the module's globals.
+    """An invoke body's globals: earlier invokes' variables, then the caller's names as they
+    were when the invoke was entered, then the module's globals.
 
-    Empty itself, so every lookup lands in `__missing__`; a name neither has raises
+    Empty itself, so every lookup lands in `__missing__`; a name none of them has raises
     KeyError, and Python goes on to the builtins as usual.
     """
 
-    __slots__ = ("_module", "_interleaver")
+    __slots__ = ("_module", "_interleaver", "_caller")
 
-    def __init__(self, module_globals, interleaver):
+    def __init__(self, module_globals, interleaver, caller):
         super().__init__()
         self._module = module_globals
         self._interleaver = interleaver
+        self._caller = caller
 
     def __missing__(self, name):
-        shared = self._interleaver.shared
-        if shared is not None and name in shared:
-            return shared[name]
-        try:
-            return self._module[name]
-        except KeyError:
-            pass
-        return self._interleaver.wait_for_name(name)
+        value = self._interleaver.shared_value(name, _NOT_YET)
+        if value is not _NOT_YET:
+            return value
+        caller = self._caller
+        if name in caller:
+            return caller[name]
+        module = self._module
+        if name in module or name in _BUILTINS:
+            return module[name]  # KeyError for a builtin: Python looks there next
+        if self._interleaver.assigned_earlier(name):
+            raise NameError(
+                f"name {name!r} is not defined: no earlier invoke assigned it before it ended"
+            )
+        raise KeyError(name)
 
 
 class _InvokeBackend(Backend):
+    """Registers the invoke; runs nothing yet.
+
+    This is where the `with tracer.invoke(...)` stands, so the caller's names the body uses
+    are bound HERE, to the objects they refer to now (a loop variable has this iteration's
+    value; a list the caller keeps appending to stays the same list). The run comes later,
+    after the trace body has finished collecting invokes.
+    """
+
     def __call__(self, invoker):
         # The core clears frame and save state when __exit__ ends: keep them for the run.
-        state = invoker.trace_state() if hasattr(invoker, "trace_state") else invoker._state
-        invoker._deferred = (invoker._frame, state)
-        invoker.parent._invokes.append(invoker)
+        frame = invoker._frame
+        names = frame.f_locals
+        block = invoker.block
+        caller = {name: names[name] for name in block.names if name in names}
+        earlier = invoker.parent._invokes
+        assigned_before = set()
+        for other in earlier:
+            assigned_before.update(other.block.assigned_names)
+        shadowed = frozenset(assigned_before - block.assigned_names)
+        invoker._deferred = (frame, invoker.trace_state(), caller, shadowed)
+        earlier.append(invoker)
 
 
 class _InterleavingBackend(Backend):
@@ -207,7 +236,7 @@ def _body(tracer, out):
     def run():
         deferred = getattr(tracer, "_deferred", None)
         if deferred is not None:
-            tracer._frame, tracer._state = deferred
+            tracer._frame, tracer._state = deferred[:2]
         try:
             out.update(tracer.run_body())
         except ENDED_EARLY as signal:
