@@ -122,11 +122,20 @@ def _same(a, b):
         return a is b
 
 
+_ORIGIN = "_interlace_batch_origin"
+
+
 def narrow(value, rows, total):
-    """The part of `value` that belongs to batch rows `rows` (views where possible)."""
+    """The part of `value` that belongs to batch rows `rows` (views where possible).
+
+    A narrowed tensor remembers `(batch tensor, rows)`: the backward pass reaches the batch
+    tensor, not this view of it, so `.grad` hooks go on the batch tensor (see `origin`).
+    """
     if isinstance(value, torch.Tensor):
         if value.dim() and value.shape[0] == total:
-            return value[rows]
+            part = value[rows]
+            setattr(part, _ORIGIN, (value, rows))
+            return part
         return value
     if isinstance(value, tuple):
         items = [narrow(v, rows, total) for v in value]
@@ -142,6 +151,11 @@ def narrow(value, rows, total):
         except Exception:  # noqa: BLE001 - exotic mapping: hand back a plain dict
             return out
     return value
+
+
+def origin(tensor):
+    """`(batch tensor, rows)` when `tensor` is one invoke's rows of a batched value, else None."""
+    return getattr(tensor, _ORIGIN, None)
 
 
 def swap(full, part, rows, total):

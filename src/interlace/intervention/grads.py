@@ -23,6 +23,7 @@ from greenlet import getcurrent
 
 from ..errors import InterlaceError, OutOfOrderError
 from ..tracing import Backend, Tracer
+from .batching import origin
 from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator
 
 _original_backward = torch.Tensor.backward
@@ -167,7 +168,7 @@ class GradRun:
     def __init__(self):
         self.mediator = None
         self.handles = {}
-        self.parked = {}  # id(tensor) -> tensor whose gradient the body waits for
+        self.parked = {}  # id(hooked tensor) -> [(requested tensor, its rows or None)]
         self.event = None
         self.done = False
 
@@ -187,7 +188,7 @@ class GradRun:
                     error, mediator.error = mediator.error, None
                     raise error from None
             self.done = True
-            for parked in list(self.parked.values()):
+            for parked, _ in [entry for waiting in self.parked.values() for entry in waiting]:
                 self.parked.clear()
                 message = mediator.resume(OutOfOrderError(
                     f".grad of a tensor of shape {tuple(parked.shape)} was never supplied: "
@@ -199,6 +200,9 @@ class GradRun:
                 error, mediator.error = mediator.error, None
                 raise error
         finally:
+            # This frame is in the traceback of the error raised above: holding the error
+            # (here or on the mediator) would be a cycle only the collector frees.
+            error = mediator.error = None
             if not mediator.finished:
                 mediator.cancel()
             for handle in self.handles.values():
@@ -209,33 +213,47 @@ class GradRun:
             runs.remove(self)
             self.mediator = None
 
-    def _hook(self, tensor):
-        key = id(tensor)
+    def _hook(self, target):
+        """Hook `target` (a tensor the backward pass reaches) once per run."""
+        key = id(target)
         if key in self.handles:
             return
 
         def hook(grad):
-            waiting = self.parked.pop(key, None)
-            if waiting is None:
-                return None
-            event = _Event(tensor, grad)
-            self.event = event
-            try:
-                message = self.mediator.resume()
-            finally:
-                self.event = None
-            if message == FAILED:
-                raise _BackwardAborted()
-            if message == STOPPED:
-                raise InterlaceError("tracer.stop() cannot end a backward pass")
-            return event.value if event.replaced else None
+            # Serve every request waiting on this tensor, in order; a request for one
+            # invoke's rows sees (and edits) only those rows of the batch's gradient.
+            waiting = self.parked.get(key)
+            flowing = grad
+            while waiting:
+                tensor, rows = waiting.pop(0)
+                value = flowing if rows is None else flowing[rows]
+                event = _Event(tensor, value)
+                self.event = event
+                try:
+                    message = self.mediator.resume()
+                finally:
+                    self.event = None
+                if message == FAILED:
+                    raise _BackwardAborted()
+                if message == STOPPED:
+                    raise InterlaceError("tracer.stop() cannot end a backward pass")
+                if event.replaced:
+                    if rows is None:
+                        flowing = event.value
+                    else:
+                        if flowing is grad:
+                            flowing = grad.clone()
+                        flowing[rows] = event.value
+                waiting = self.parked.get(key)
+            self.parked.pop(key, None)
+            return None if flowing is grad else flowing
 
         try:
-            self.handles[key] = tensor.register_hook(hook)
+            self.handles[key] = target.register_hook(hook)
         except RuntimeError as error:
             raise InterlaceError(
                 f".grad was requested inside `with loss.backward():` for a tensor of shape "
-                f"{tuple(tensor.shape)} that does not require grad ({error}); was the trace run "
+                f"{tuple(target.shape)} that does not require grad ({error}); was the trace run "
                 f"under torch.no_grad() or inference_mode()?"
             ) from None
 
@@ -245,8 +263,11 @@ class GradRun:
             return event
         if self.done:
             raise OutOfOrderError(".grad was requested after the backward pass had finished")
-        self._hook(tensor)
-        self.parked[id(tensor)] = tensor
+        # One invoke's `h` is a view of the batch's tensor, which is what backward reaches.
+        batch = origin(tensor)
+        target, rows = (tensor, None) if batch is None else batch
+        self._hook(target)
+        self.parked.setdefault(id(target), []).append((tensor, rows))
         self.mediator.wait(PARKED)
         return self.event
 

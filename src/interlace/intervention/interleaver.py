@@ -331,13 +331,17 @@ class Interleaver:
         if self.failure is None:
             self._finish_parked()
         failure = self.failure
+        if failure is None:
+            for mediator in self.mediators:
+                if mediator.error is not None:
+                    failure, mediator.error = mediator.error, None
+                    break
         if failure is not None:
             self.failure = None
-            raise failure
-        for mediator in self.mediators:
-            if mediator.error is not None:
-                error, mediator.error = mediator.error, None
-                raise error
+            try:
+                raise failure
+            finally:
+                failure = None  # this frame is in its traceback: no cycle through a local
         return result
 
     def _end_with(self, mediator, signal):
@@ -493,7 +497,7 @@ class Interleaver:
         """Body side: `name` as an earlier invoke bound it, waiting for that invoke if it has
         not bound it yet; `default` when no earlier invoke binds it."""
         mediator = self.current
-        if mediator is None or self.shared is None or mediator.worker is not getcurrent():
+        if mediator is None or self.shared is None:
             return default
         while True:
             value = self._resolve(name, mediator)
@@ -501,8 +505,8 @@ class Interleaver:
                 return default
             if value is not _WAIT:
                 return value
-            if self.done:
-                return default
+            if self.done or mediator.worker is not getcurrent():
+                return default  # e.g. a backward body inside the invoke: it cannot park here
             self.name_waiters.append((name, mediator))
             mediator.event = None
             mediator.wait(PARKED)
