@@ -23,6 +23,7 @@ _LAZY = {
     "NNsight": ("interlace.models.model", "Model"),
     "Envoy": ("interlace.intervention.envoy", "Envoy"),
     "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
+    "TransformersModel": ("interlace.models.language_model", "TransformersModel"),
 }
 
 __all__ = [

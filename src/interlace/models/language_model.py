@@ -14,7 +14,7 @@ import torch
 from ..errors import InterlaceError
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs
-from .loading import load_model, load_tokenizer, resolve_dtype
+from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
 from .model import Model
 
 # Whether the run being prepared is a generation (set around `_interleave`, per context so
@@ -56,7 +56,10 @@ class LanguageModel(Model):
     `AutoModelForCausalLM`/`AutoTokenizer`; `LanguageModel(module, tokenizer=tok)` wraps a
     model already in memory. `device_map=` (accelerate, incl. CPU/disk offload), `dtype=`
     (alias `torch_dtype=`), `automodel=` (another Auto class) and any other keyword go to
-    `from_pretrained`.
+    `from_pretrained`. nnsight's keywords: `task=` picks the Auto class by task name
+    ("text-generation", "text-classification", "seq2seq", ...); `dispatch=` is accepted for
+    compatibility - interlace always loads the weights when the wrapper is made (nnsight's
+    `dispatch=True`), never lazily on a meta device.
     """
 
     def __init__(
@@ -68,9 +71,18 @@ class LanguageModel(Model):
         *,
         torch_dtype=None,
         automodel=None,
+        task=None,
+        dispatch=None,
         **kwargs,
     ):
         dtype = resolve_dtype(dtype, torch_dtype)
+        if task is not None and automodel is not None:
+            raise TypeError(
+                "both task= and automodel= were given; task= only picks an Auto class, "
+                "pass one of them"
+            )
+        if dispatch is not None and not isinstance(dispatch, bool):
+            raise TypeError(f"dispatch= takes True or False, got {dispatch!r}")
         if isinstance(model, torch.nn.Module):
             extra = {"device_map": device_map, "automodel": automodel, **kwargs}
             given = sorted(k for k, v in extra.items() if v is not None)
@@ -85,6 +97,8 @@ class LanguageModel(Model):
                 tokenizer = load_tokenizer(tokenizer)
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             name = str(model if not isinstance(model, bytes) else model.decode())
+            if task is not None:
+                automodel = automodel_for_task(task)
             module = load_model(
                 name, automodel=automodel, device_map=device_map, dtype=dtype, **kwargs
             )
@@ -291,3 +305,9 @@ _POSITION_IDS = (
     "position_ids are computed from the attention mask after batching so that padded prompts "
     "match their unpadded runs; do not pass position_ids="
 )
+
+
+class TransformersModel(LanguageModel):
+    """nnsight 0.8's preferred name for a transformers model: `TransformersModel(repo_id,
+    task="text-generation")`. The same wrapper as `LanguageModel`; `task=` picks the Auto
+    class the weights load with."""

@@ -32,8 +32,54 @@ def resolve_dtype(dtype, torch_dtype):
     return dtype
 
 
+# nnsight's `task=` names (transformers pipeline tasks, and the older ones transformers 5
+# dropped from its pipelines) -> the Auto class that loads a model for that task.
+_TASKS = {
+    "text-generation": "AutoModelForCausalLM",
+    "causal-lm": "AutoModelForCausalLM",
+    "text2text-generation": "AutoModelForSeq2SeqLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "summarization": "AutoModelForSeq2SeqLM",
+    "translation": "AutoModelForSeq2SeqLM",
+    "text-classification": "AutoModelForSequenceClassification",
+    "sentiment-analysis": "AutoModelForSequenceClassification",
+    "classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "ner": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "fill-mask": "AutoModelForMaskedLM",
+    "feature-extraction": "AutoModel",
+}
+
+
+def automodel_for_task(task):
+    """The transformers Auto class for `task` (nnsight's `task=`), e.g. "text-generation"."""
+    import transformers
+
+    name = _TASKS.get(task)
+    if name is not None:
+        return getattr(transformers, name)
+    try:
+        from transformers.pipelines import check_task
+
+        return check_task(task)[1]["pt"][0]
+    except Exception:  # noqa: BLE001 - unknown to transformers too: say what we know
+        raise ValueError(
+            f"unknown task={task!r}: it names no transformers Auto class. Known tasks: "
+            f"{', '.join(sorted(_TASKS))} (or any transformers pipeline task); or pass "
+            f"automodel=<an Auto class> directly"
+        ) from None
+
+
+_OWN_KEYWORDS = "tokenizer=, device_map=, dtype= (torch_dtype=), automodel=, task=, dispatch="
+
+
 def load_model(name_or_path, *, automodel=None, device_map=None, dtype=None, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained`, in eval mode, with a clear offline error."""
+    """`AutoModelForCausalLM.from_pretrained`, in eval mode, with a clear offline error.
+
+    A keyword that `from_pretrained` does not take (it hands unknown ones to the model's
+    `__init__`, which fails with a message about the model class) is reported as ours.
+    """
     if automodel is None:
         from transformers import AutoModelForCausalLM as automodel
     if device_map is not None:
@@ -44,6 +90,16 @@ def load_model(name_or_path, *, automodel=None, device_map=None, dtype=None, **k
         module = automodel.from_pretrained(name_or_path, **kwargs)
     except OSError as exc:
         raise _load_error(name_or_path, "model", exc) from exc
+    except TypeError as exc:
+        unknown = [name for name in kwargs if f"unexpected keyword argument '{name}'" in str(exc)]
+        if not unknown:
+            raise
+        raise TypeError(
+            f"LanguageModel() got an unexpected keyword argument {unknown[0]!r}: neither "
+            f"interlace nor transformers' from_pretrained takes it. interlace takes "
+            f"{_OWN_KEYWORDS}; every other keyword goes to from_pretrained (e.g. revision=, "
+            f"attn_implementation=, or a config attribute to override)"
+        ) from None
     return module.eval()
 
 
