@@ -145,8 +145,39 @@ class LanguageModel(Model):
             rest["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
         return LanguageTracer(self, args, prompt, run=_Generation(self._module, rest))
 
+    def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
+              workers=None, generate=False, **kwargs):
+        """`with model.sweep(items, input=prompt) as sweep:` - the body runs once per item.
+
+        As `Model.sweep`; prompts of different lengths are left-padded as `trace` pads them.
+        Keywords go to the forward (checked as `trace` checks them), or to `generate` with
+        `generate=True`, where `sweep.output` is the item's generated ids and
+        `sweep.iter[...]` its steps.
+        """
+        from ..sweeps import SweepTracer
+
+        if "input_ids" in kwargs or "attention_mask" in kwargs or "position_ids" in kwargs:
+            raise TypeError(
+                "model.sweep(...) takes prompts through input= (shared) or the items "
+                "themselves (input=None), not as input_ids=/attention_mask=/position_ids="
+            )
+        eos = ()
+        if generate:
+            config = getattr(self._module, "generation_config", None)
+            if "pad_token_id" not in kwargs and getattr(config, "pad_token_id", None) is None:
+                kwargs["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
+            eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+            eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+            run = _Generation(self._module, kwargs)
+        else:
+            self.check_forward_kwargs(kwargs)
+            run = _Forward(self._module, kwargs) if kwargs else None
+        return SweepTracer(self, items, input, batch_size=batch_size, progress=progress,
+                           executor=executor, workers=workers, generate=generate, run=run,
+                           eos=eos)
+
     def _interleave(self, invokes, run=None, **options):
-        token = _GENERATING.set(isinstance(run, _Generation))
+        token = _GENERATING.set(getattr(run, "generates", False))
         try:
             return super()._interleave(invokes, run, **options)
         finally:
@@ -279,6 +310,7 @@ class _Forward(_Run):
 
 class _Generation(_Run):
     __slots__ = ()
+    generates = True  # LanguageModel._interleave batches a generation's prompts for it
     what = "model.generate(...)"
 
     def __call__(self, *args, **inputs):

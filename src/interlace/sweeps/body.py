@@ -1,0 +1,128 @@
+"""One sweep item's run of the captured body, with its own save state.
+
+A sweep captures its `with` block once and runs the body once per item, possibly many items
+in one forward pass. Each run must behave as if it were the only trace: its own `.save()`
+set, its own locals (a fresh copy of the caller's variables), and, when it ends, only the
+values it saved. This is the one module that reaches into the tracer core's internals (the
+trace-state ContextVar and `Tracer.execute`), so that porting to a public "deferred body"
+API later touches only this file. (`Tracer.run_body` runs a body in the trace state
+`tracer._state`; each item sets its own there just before its body starts, and the sweep's
+own state is put back when the items have run: `own_state`.)
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..intervention.mediator import ENDED_EARLY
+from ..tracing import blocks as _blocks
+from ..tracing.save import TraceState
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class ItemBody:
+    """The mediator's job for one item: run the body, keep what it saved.
+
+    `saved` is the name -> value mapping of the names the body assigned *and* saved (set when
+    the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved).
+    `failed` tells a batch which item raised.
+    """
+
+    __slots__ = ("job", "index", "item", "saved", "failed", "iter_rows")
+
+    def __init__(self, job, index, item):
+        self.job = job
+        self.index = index
+        self.item = item
+        self.saved = None
+        self.failed = False
+        self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
+
+    def __call__(self):
+        job = self.job
+        tracer = job.tracer
+        state = TraceState(None)
+        values = None
+        tracer._state = state  # run_body makes it current in this greenlet, once, at entry
+        try:
+            values = tracer.run_body(job.namespace)
+        except ENDED_EARLY as signal:
+            values = _locals_at(signal, tracer.block)
+            raise
+        except Exception as error:
+            self.failed = True
+            name_item(error, self.index, self.item)
+            raise
+        finally:
+            if values is not None:
+                saved = state.saved
+                assigned = tracer.block.assigned_names
+                self.saved = {
+                    name: value for name, value in values.items()
+                    if name in assigned and id(value) in saved
+                }
+
+
+def name_item(error, index, item):
+    """Add a note naming the item and the user's line that raised (once per error)."""
+    if not hasattr(error, "add_note") or getattr(error, "_interlace_sweep_item", None) is not None:
+        return
+    where = ""
+    tb = error.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
+            where = f" at {filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    text = repr(item)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    error.add_note(f"interlace: raised by sweep item {index} ({text}){where}")
+    try:
+        error._interlace_sweep_item = index
+    except AttributeError:  # an exception type with __slots__: the note is enough
+        pass
+
+
+def item_of(error):
+    """The index of the sweep item an error was raised by, or None (the model raised it)."""
+    return getattr(error, "_interlace_sweep_item", None)
+
+
+def _locals_at(error, block):
+    """The body's locals at the point `error` left it (an `iter` loop cut short)."""
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == block.filename and code.co_name == block.co_name:
+            values = dict(tb.tb_frame.f_locals)
+            values.pop(_blocks.LOCALS_PARAM, None)
+            return values
+        tb = tb.tb_next
+    return {}
+
+
+def caller_namespace(tracer):
+    """A snapshot of the caller's variables as the block was entered (one per sweep).
+
+    Every item's body gets its own locals built from this snapshot (as a trace's body gets
+    a copy of the caller's locals), so one item's assignments never reach another item.
+    """
+    frame = tracer._frame
+    return dict(frame.f_locals) if frame is not None else {}
+
+
+class own_state:
+    """`with own_state(tracer):` - the sweep's own trace state is restored after items ran."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.state = tracer.trace_state()
+
+    def __enter__(self):
+        return self.state
+
+    def __exit__(self, *exc):
+        self.tracer._state = self.state
+        return False

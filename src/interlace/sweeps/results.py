@@ -1,0 +1,150 @@
+"""What a sweep keeps: each saved name's values, one slot per item, in item order.
+
+`SweepResults` is a read-only mapping name -> list (the same lists the sweep binds in the
+caller); an item that did not save a name has `None` in its slot. `to_pandas()` gives one row
+per item with the item's fields as columns, which is what people plot.
+
+`compact` is why a saved value never pins its batch: a tensor the body saved that is a view
+into a larger storage (an item's rows of a batched activation, `logits[:, -1]`) is copied to
+its own storage when the item finishes. Values keep their device and dtype (move them in the
+body, e.g. `.cpu()`, if you want them elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import InterlaceError
+
+
+class SweepResults(Mapping):
+    """name -> list of values in item order (None where an item did not save the name).
+
+    `finished` lists the finished items themselves, in order: after Ctrl-C or an error, the
+    items before the one that stopped the sweep.
+    """
+
+    def __init__(self):
+        self._columns = {}
+        self.finished = []
+
+    def add(self, item, values):
+        """Record one finished item's saved values (items arrive in order)."""
+        n = len(self.finished)
+        for name in values:
+            if name not in self._columns:
+                self._columns[name] = [None] * n
+        for name, column in self._columns.items():
+            column.append(values.get(name))
+        self.finished.append(item)
+
+    def __getitem__(self, name):
+        try:
+            return self._columns[name]
+        except KeyError:
+            saved = ", ".join(sorted(self._columns)) or "none"
+            raise KeyError(
+                f"no sweep item saved {name!r} (names saved: {saved}); mark a value with "
+                f".save() in the body to keep it"
+            ) from None
+
+    def __iter__(self):
+        return iter(self._columns)
+
+    def __len__(self):
+        return len(self._columns)
+
+    def __repr__(self):
+        names = ", ".join(self._columns)
+        return f"<SweepResults: {len(self.finished)} item(s); saved: {names or 'nothing'}>"
+
+    def to_pandas(self, item_names=None):
+        """A pandas DataFrame: one row per finished item, item fields then saved names as columns.
+
+        Item fields: a dict's keys, a namedtuple's or dataclass's fields, `item_names` for a
+        plain tuple (default `item_0`, `item_1`, ...), else one `item` column. One-element
+        tensors become Python numbers; other values are kept as they are.
+        """
+        try:
+            import pandas
+        except ImportError:
+            raise InterlaceError(
+                "sweep.results.to_pandas() needs pandas, which is not installed: "
+                "pip install pandas (the mapping sweep.results works without it)"
+            ) from None
+        rows = []
+        for position, item in enumerate(self.finished):
+            row = _fields(item, item_names)
+            for name, column in self._columns.items():
+                row[name] = _cell(column[position])
+            rows.append(row)
+        columns = list(rows[0]) if rows else list(self._columns)
+        return pandas.DataFrame(rows, columns=columns)
+
+
+def _fields(item, names):
+    if isinstance(item, Mapping):
+        return {str(k): _cell(v) for k, v in item.items()}
+    if hasattr(item, "_fields"):
+        return {f: _cell(v) for f, v in zip(item._fields, item)}
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return {f.name: _cell(getattr(item, f.name)) for f in dataclasses.fields(item)}
+    if isinstance(item, (tuple, list)):
+        if names is not None:
+            if len(names) != len(item):
+                raise InterlaceError(
+                    f"item_names has {len(names)} name(s) but item {item!r} has {len(item)} "
+                    f"field(s); give one name per field"
+                )
+            return {str(n): _cell(v) for n, v in zip(names, item)}
+        return {f"item_{i}": _cell(v) for i, v in enumerate(item)}
+    return {str(names[0]) if names else "item": _cell(item)}
+
+
+def _cell(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def compact(value):
+    """`value` with every tensor that is a view into a larger storage copied to its own.
+
+    Looks into lists, tuples and dicts (and dict-like model outputs); returns new containers
+    only where something was copied.
+    """
+    if isinstance(value, torch.Tensor):
+        if _pins_more(value):
+            return value.clone()
+        return value
+    if type(value) is dict and len(value) < 4096:
+        out = {k: compact(v) for k, v in value.items()}
+        return out if any(out[k] is not value[k] for k in value) else value
+    if type(value) in (list, tuple) and len(value) < 4096:
+        out = [compact(v) for v in value]
+        if all(a is b for a, b in zip(out, value)):
+            return value
+        return out if type(value) is list else tuple(out)
+    if isinstance(value, Mapping) and hasattr(value, "to_tuple"):  # transformers' ModelOutput
+        out = {k: compact(v) for k, v in value.items()}
+        if all(out[k] is value[k] for k in out):
+            return value
+        try:
+            return type(value)(**out)
+        except Exception:  # noqa: BLE001 - an output type we cannot rebuild: keep it whole
+            return value
+    return value
+
+
+def _pins_more(tensor):
+    """Does `tensor` keep alive more memory than its own elements?"""
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        return False
+    try:
+        held = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return False
+    return held > tensor.numel() * tensor.element_size()

@@ -1,0 +1,367 @@
+"""Grouping sweep items into batches, and running one batch as one forward pass.
+
+A batch is one `model._interleave(...)` call with one mediator per item (an `ItemBody`): the
+engine batches the items' inputs exactly as it batches invokes and shows each body only its
+own rows. What this module adds is what a sweep needs on top:
+
+- `Job`: everything a batch needs, built once per sweep (and shipped once per Ray worker),
+  and `Job.entry`, one item with its input and its *batch key*;
+- batch keys: a batch only holds items whose inputs have the same shape beyond the batch
+  dimension (for a language model: the same padded width in tokens), so no item is ever
+  padded for another's sake and its values, shapes included, equal its values alone.
+  `plan_batches` groups a window of items by key, in order of first appearance;
+- `run_batch`: one batch -> each item's saved values, compacted so that no saved view pins
+  the batch's tensors;
+- `Runner`: the failure policy. Out of memory: split the batch in halves and retry (and keep
+  the smaller size for later batches). An item's body raised: run the items before it that
+  have not finished (the failing batch was unwound) and raise the error, so that the
+  finished items are exactly those before the failing one, whatever the batching. The model
+  raised without naming an item: bisect until it does. Ctrl-C: stop at once.
+- `InOrder`: commits finished items to the results in item order;
+- `choose_batch_size`: the automatic size, from the input length and (on a GPU) free memory.
+
+A retried batch runs its bodies again: their side effects (a print, an append to a caller's
+list) happen again; their saved values are recorded once, from the run that finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InterlaceError
+from .body import ItemBody, item_of, name_item
+from .results import compact
+
+_CPU_TOKENS = 2048  # tokens per batch on a CPU (see docs/sweeps.md for the measurement)
+_GPU_TOKENS = 32768  # at most this many tokens per batch on an accelerator
+_MAX_ITEMS = 512
+WINDOW = 8  # items are grouped by batch key within windows of WINDOW batches
+
+
+class Job:
+    """What every batch of one sweep needs: the body, the caller's variables, the inputs rule.
+
+    `input` is None (each item is the input), a callable (`input(item)`), or one value shared
+    by every item. `run` replaces the model's forward (a language model's keywords, or its
+    generation); `generate` marks a generation sweep, whose `eos` token ids trim each item's
+    generated ids.
+    """
+
+    def __init__(self, tracer, namespace, input=None, kwargs=None, run=None, backward=False,
+                 generate=False, eos=()):
+        self.tracer = tracer
+        self.namespace = namespace
+        self.input = input
+        self.kwargs = kwargs or {}
+        self.run = _Recording(run) if generate else run
+        self.backward = backward
+        self.generate = generate
+        self.eos = tuple(eos)
+
+    def entry(self, model, index, item, keys=None):
+        """The item with its inputs and batch key (`keys` caches keys by input identity)."""
+        source = self.input
+        try:
+            if source is None:
+                value = item
+            elif callable(source) and not isinstance(source, torch.nn.Module):
+                value = source(item)
+            else:
+                value = source
+            args, kwargs = (value,), self.kwargs
+            cached = None if keys is None else keys.get(id(value))
+            if cached is not None and cached[0] is value:  # a shared input: one key
+                key = cached[1]
+            else:
+                key = batch_key(model, args, kwargs)
+                if keys is not None:
+                    keys[id(value)] = (value, key)
+        except Exception as error:
+            name_item(error, index, item)
+            raise
+        return Entry(index, item, args, kwargs, key)
+
+
+class Entry:
+    """One item ready to run: its position, the item, its inputs, its batch key."""
+
+    __slots__ = ("index", "item", "args", "kwargs", "key")
+
+    def __init__(self, index, item, args, kwargs, key):
+        self.index = index
+        self.item = item
+        self.args = args
+        self.kwargs = kwargs
+        self.key = key
+
+    def __reduce__(self):
+        return (Entry, (self.index, self.item, self.args, self.kwargs, self.key))
+
+
+class _Recording:
+    """A generation run that keeps the batch's prompt mask (to trim each item's ids)."""
+
+    __slots__ = ("inner", "mask")
+    generates = True
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.mask = None
+
+    def __call__(self, *args, **kwargs):
+        self.mask = kwargs.get("attention_mask")
+        return self.inner(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_Recording, (self.inner,))
+
+
+# -- batch keys -------------------------------------------------------------------------------
+
+
+def batch_key(model, args, kwargs):
+    """Items with equal keys batch without padding or changing each other's inputs."""
+    prepare = getattr(model, "prepare_inputs", None)
+    if prepare is not None:  # a language model: the padded width of the item's prompt(s)
+        batch, rest = prepare(*args, **kwargs)
+        return ("tokens", batch["input_ids"].shape[1], _value_key(rest))
+    return _value_key((args, kwargs))
+
+
+def _value_key(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape[1:]) if value.dim() else (), value.device)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_value_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _value_key(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return ("value", type(value), value)
+
+
+def plan_batches(entries, size):
+    """`entries` (in item order) as batches of at most `size` entries of one key each."""
+    groups = {}
+    for entry in entries:
+        groups.setdefault(entry.key, []).append(entry)
+    batches = []
+    for group in groups.values():
+        batches.extend(group[i:i + size] for i in range(0, len(group), size))
+    batches.sort(key=lambda batch: batch[0].index)
+    return batches
+
+
+# -- one batch ------------------------------------------------------------------------------
+
+
+def run_batch(model, job, entries):
+    """Run `entries` as one forward pass; each item's saved values, in order.
+
+    Raises what the batch raised; an error an item's body raised carries the item (see
+    `body.item_of`).
+    """
+    bodies = [ItemBody(job, entry.index, entry.item) for entry in entries]
+    runs = [(body, entry.args, entry.kwargs) for body, entry in zip(bodies, entries)]
+    out = model._interleave(runs, run=job.run, backward=job.backward)
+    saved = [compact(body.saved or {}) for body in bodies]
+    if job.generate and len(bodies) > 1:
+        # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
+        # loop, steps it would not have had alone: run it alone again.
+        for position, body in enumerate(bodies):
+            if body.iter_rows is not None and _ended_early(job, out, body.iter_rows):
+                saved[position] = run_batch(model, job, [entries[position]])[0]
+    return saved
+
+
+def trim_generated(ids, mask, eos):
+    """One item's rows of a batch's generated ids, as its generation alone returns them.
+
+    Drops the left padding the batch added (the columns every row of the item pads) and the
+    steps after every row of the item produced an eos token (the batch went on for others).
+    """
+    if mask is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return ids
+    mask = mask.to(ids.device)
+    prompt = mask.shape[1]
+    end = ids.shape[1]
+    generated = ids[:, prompt:]
+    if eos and generated.numel():
+        hits = torch.isin(generated, torch.tensor(eos, device=ids.device))
+        if bool(hits.any(1).all()):
+            end = prompt + int(hits.int().argmax(1).max()) + 1
+    return ids[:, _lead(mask):end]
+
+
+def _ended_early(job, out, rows):
+    """Did these rows' generation end before the batch's (so that alone it is shorter)?"""
+    mask = job.run.mask
+    if mask is None or not isinstance(out, torch.Tensor) or out.dim() != 2:
+        return False
+    part = trim_generated(out[rows], mask[rows], job.eos)
+    return part.shape[1] + _lead(mask[rows]) < out.shape[1]
+
+
+def _lead(mask):
+    """Left-padding columns common to every row of `mask`."""
+    return int((mask.cumsum(1) == 0).sum(1).min()) if mask.numel() else 0
+
+
+# -- the failure policy ------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs batches on one model with the failure policy (see the module docstring).
+
+    `size` is the current batch size: it shrinks after an out-of-memory error.
+    """
+
+    def __init__(self, model, job, size):
+        self.model = model
+        self.job = job
+        self.size = size
+
+    def run_window(self, entries, done):
+        """Run `entries` (in item order, any keys) in batches; `done(entry, saved)` for each.
+
+        On an error raised for item k, first runs the entries before k that are not done.
+        """
+        for batch in plan_batches(entries, self.size):
+            try:
+                self.run(batch, done)
+            except Exception as error:
+                failed = item_of(error)
+                rest = [e for e in entries if failed is not None and e.index < failed
+                        and not done.has(e.index)]
+                if rest:
+                    self.run_window(rest, done)
+                raise
+
+    def run(self, entries, done):
+        """Run one batch (one key) with the retry and attribution policy."""
+        try:
+            saved = run_batch(self.model, self.job, entries)
+        except torch.OutOfMemoryError as error:
+            if len(entries) == 1:
+                name_item(error, entries[0].index, entries[0].item)
+                raise
+            _free_memory()
+            half = len(entries) // 2
+            self.size = max(1, min(self.size, half))
+            self.run(entries[:half], done)
+            self.run(entries[half:], done)
+            return
+        except Exception as error:
+            failed = item_of(error)
+            if failed is not None:
+                before = [e for e in entries if e.index < failed]
+                if before:
+                    self.run(before, done)
+                raise
+            if len(entries) == 1:
+                name_item(error, entries[0].index, entries[0].item)
+                raise
+            half = len(entries) // 2  # the model raised: find the item that makes it raise
+            self.run(entries[:half], done)
+            self.run(entries[half:], done)
+            return
+        for entry, values in zip(entries, saved):
+            done(entry, values)
+
+
+class InOrder:
+    """Hands finished items to `commit(item, values)` in item order (batches finish in any)."""
+
+    def __init__(self, commit, start=0):
+        self.commit = commit
+        self.next = start
+        self.waiting = {}
+
+    def __call__(self, entry, values):
+        if entry.index < self.next or entry.index in self.waiting:
+            return  # finished already (a retried batch): recorded once
+        self.waiting[entry.index] = (entry.item, values)
+        while self.next in self.waiting:
+            item, values = self.waiting.pop(self.next)
+            self.commit(item, values)
+            self.next += 1
+
+    def has(self, index):
+        return index < self.next or index in self.waiting
+
+
+def _free_memory():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- the automatic batch size ---------------------------------------------------------------
+
+
+def choose_batch_size(model, job, sample, n_items=None):
+    """A batch size for `job` on `model`, from the sample entries' length and free memory.
+
+    On a CPU, batches of about `_CPU_TOKENS` tokens: beyond that a forward pass costs the
+    same per token (benchmarks/bench_sweep.py measures it). On an accelerator, as many rows
+    as half the free memory holds by a rough per-token estimate, at most `_GPU_TOKENS`
+    tokens; an underestimate is corrected by the out-of-memory split.
+    """
+    length = max([_tokens(entry.key, entry.args) for entry in sample] or [1])
+    if job.generate:
+        kwargs = getattr(getattr(job.run, "inner", None), "kwargs", None) or {}
+        length += int(kwargs.get("max_new_tokens") or 0)
+    device = _device_of(model._module)
+    if device.type in ("cpu", "meta"):
+        size = _CPU_TOKENS // length
+    else:
+        size = min(_GPU_TOKENS // length, _rows_that_fit(model._module, device, length))
+    size = max(1, min(size, _MAX_ITEMS))
+    if n_items is not None:
+        size = min(size, max(1, n_items))
+    return size
+
+
+def _tokens(key, args):
+    """Tokens (or elements beyond the batch dimension) per row of one item's input."""
+    if key and key[0] == "tokens":
+        return max(1, key[1])
+    value = args[0] if args else None
+    if isinstance(value, torch.Tensor) and value.dim() > 1:
+        return max(1, value[0].numel() if value.dim() > 2 else value.shape[-1])
+    return 1
+
+
+def _device_of(module):
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _rows_that_fit(module, device, length):
+    try:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    except Exception:  # noqa: BLE001 - no memory query: leave it to the OOM split
+        free = None
+    if not free:
+        return _MAX_ITEMS
+    config = getattr(module, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1024
+    vocab = getattr(config, "vocab_size", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 16
+    element = next(module.parameters()).element_size()
+    # live activations of a few layers, the attention scores, fp32 logits
+    per_token = element * 24 * hidden + 4 * heads * length + 8 * vocab
+    return max(1, int(0.5 * free) // max(1, per_token * length))
+
+
+def check_batch_size(batch_size):
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InterlaceError(
+            f"batch_size must be a positive int (items per forward pass) or None to choose "
+            f"one automatically, got {batch_size!r}"
+        )
+    return batch_size

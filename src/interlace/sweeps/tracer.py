@@ -1,0 +1,140 @@
+"""`with model.sweep(items, input=...) as sweep:` - one body, run once per item, batched.
+
+The `with` block is captured and skipped like a trace's; its backend hands the body to an
+executor (`executors/local.py`, `executors/ray.py`), which groups the items into batches and
+runs each batch as one forward pass with one mediator per item (`runner.py`). Inside the body,
+`sweep.item` is the item whose body is running, `sweep.output` its part of the model's return
+value, `sweep.iter[...]`/`sweep.all()` its generation steps. After the block, every name the
+body saved is bound in the caller to a list of its values in item order (`results.py`).
+
+The rule every path is tested against: an item behaves as if it ran alone in its own trace.
+"""
+
+from __future__ import annotations
+
+from ..errors import InterlaceError
+from ..intervention.grads import block_uses_backward
+from ..intervention.iteration import IterMixin
+from ..tracing import Backend, Tracer
+from . import executors
+from .body import ItemBody, caller_namespace, own_state
+from .results import SweepResults
+from .runner import Job, check_batch_size, trim_generated
+
+
+class SweepTracer(IterMixin, Tracer):
+    """What `model.sweep(...)` returns; see the module docstring and docs/sweeps.md."""
+
+    def __init__(self, model, items, input=None, *, batch_size=None, progress=True,
+                 executor="local", workers=None, generate=False, run=None, kwargs=None,
+                 eos=()):
+        super().__init__(backend=_SWEEP)
+        if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+            raise InterlaceError(
+                f"model.sweep(items, ...) takes an iterable of items (a list, a range, a "
+                f"generator, a dataset), got {type(items).__name__}"
+                + ("; to sweep one prompt, pass [prompt]" if isinstance(items, str) else "")
+            )
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                    or workers < 1):
+            raise InterlaceError(f"workers must be a positive int or None, got {workers!r}")
+        self.model = model
+        self.items = items
+        self.input = input
+        self.batch_size = check_batch_size(batch_size)
+        self.progress = progress
+        self.executor = executors.get(executor)
+        self.workers = workers
+        self.generate = generate
+        self.results = SweepResults()
+        self.chosen_batch_size = None  # the batch size the sweep ran with (set when it runs)
+        self._run = run
+        self._kwargs = kwargs or {}
+        self._eos = tuple(eos)
+        self._job = None
+
+    # -- inside the body ------------------------------------------------------------------
+
+    @property
+    def item(self):
+        """The item whose body is running."""
+        return self._body("sweep.item").item
+
+    @property
+    def index(self):
+        """The position of the running item in `items` (0, 1, 2, ...)."""
+        return self._body("sweep.index").index
+
+    @property
+    def output(self):
+        """This item's part of the model's return value (waits for the forward to end).
+
+        With `generate=True`: the item's generated ids (prompt then new tokens), as its
+        generation alone returns them (no batch padding, no steps after its own end).
+        """
+        body = self._body("sweep.output")
+        interleaver = self.model._active()
+        mediator = interleaver.mediator("sweep.output")
+        value = interleaver.read(interleaver.state.result_key)
+        job = body.job
+        if job.generate and job.run.mask is not None:
+            mask = job.run.mask if mediator.rows is None else job.run.mask[mediator.rows]
+            value = trim_generated(value, mask, job.eos)
+        return value
+
+    def _body(self, what):
+        interleaver = self.model._active()
+        if interleaver is None or interleaver.current is None:
+            raise InterlaceError(
+                f"{what} is only available inside the body of `with model.sweep(...) as "
+                f"sweep:` while it runs (after the block, read sweep.results)"
+            )
+        fn = interleaver.mediator(what).fn
+        if not isinstance(fn, ItemBody) or fn.job.tracer is not self:
+            raise InterlaceError(
+                f"{what} was read in a body that is not this sweep's (a trace inside the "
+                f"sweep body?); read it in the sweep's own body"
+            )
+        return fn
+
+    def _running_mediator(self, what):
+        mediator = super()._running_mediator(what)
+        fn = mediator.fn
+        if isinstance(fn, ItemBody):  # a generation that ends early reruns alone (runner.py)
+            fn.iter_rows = mediator.rows if mediator.rows is not None else slice(None)
+        return mediator
+
+    # -- pickling (Ray ships the tracer to its workers; see executors/ray.py) -------------
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update(model=None, items=None, input=None, executor=None, results=None,
+                     _run=None, _job=None)
+        return state
+
+    def __repr__(self):
+        where = f" at {self.block.filename}:{self.block.lineno}" if self.block is not None else ""
+        return f"<SweepTracer{where}>"
+
+
+class _SweepBackend(Backend):
+    def __call__(self, tracer):
+        job = Job(
+            tracer, caller_namespace(tracer), tracer.input, tracer._kwargs, tracer._run,
+            backward=block_uses_backward(tracer.block), generate=tracer.generate,
+        )
+        job.eos = tracer._eos
+        tracer._job = job
+        with own_state(tracer) as state:
+            try:
+                tracer.executor.run(tracer, job)
+            finally:
+                tracer._job = None
+        values = dict(tracer.results)
+        saved = state.saved  # nested in a trace: the lists travel on out
+        for value in values.values():
+            saved[id(value)] = value
+        tracer.push_result(values)
+
+
+_SWEEP = _SweepBackend()
