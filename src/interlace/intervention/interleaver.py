@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
-from . import grads
+from . import compiled, grads
 from .batching import narrow, swap
 from .mediator import (
     DONE,
@@ -145,10 +145,28 @@ class ModelState:
         self.owner = None  # thread ident of the running trace
         self.active = None  # the running Interleaver
         self.collecting = False  # a trace without inputs is running its body to find invokes
+        # Locations beyond the modules (operations inside a forward, see source.py) get keys
+        # above result_key, allocated on first use and stable for the model's life.
+        self.extra = {}  # owner -> first key of its block
+        self.extra_names = []
+
+    def add_locations(self, owner, names):
+        """The first of `len(names)` keys for locations `owner` adds (the same keys every time)."""
+        base = self.extra.get(owner)
+        if base is None:
+            base = self.extra[owner] = self.nkeys
+            self.extra_names.extend(names)
+            self.nkeys += len(names)
+            if self.visits is not None:  # never in the learned order: derived counts are 0
+                self.visits += (0,) * len(names)
+                self.positions += ((),) * len(names)
+        return base
 
     def key_name(self, key):
         if key == self.result_key:
             return "tracer.result"
+        if key > self.result_key:
+            return self.extra_names[key - self.result_key - 1]
         return f"{self.paths[key >> 1]}.{'output' if key & 1 else 'input'}"
 
     def learn(self, record):
@@ -158,7 +176,7 @@ class ModelState:
         if not starts:
             return
         end = starts[1] if len(starts) > 1 else len(record)
-        order = tuple(k for k in record[starts[0]:end] if k != self.result_key)
+        order = tuple(k for k in record[starts[0]:end] if k < self.result_key)
         positions = [[] for _ in range(self.nkeys)]
         for i, key in enumerate(order):
             positions[key].append(i)
@@ -171,7 +189,7 @@ class ModelState:
         order = self.order if self.order is not None else record
         if not order:
             return "unknown (the module order has not been learned yet)"
-        names = [self.paths[k >> 1] for k in order if k & 1 and k != self.result_key]
+        names = [self.paths[k >> 1] for k in order if k & 1 and k < self.result_key]
         more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
         return ", ".join(names[:limit]) + more
 
@@ -205,6 +223,8 @@ class Interleaver:
         self.name_waiters = []  # (name, mediator): bodies waiting for an earlier invoke's variable
         self.skipped = False  # a skip changes which modules run: do not learn that order
         self.root_call = False  # the run is one call of the root: its events are fired by hand
+        self.extensions = {}  # per-run state of features built on this engine (source.py)
+        self.cleanups = []  # callables that undo what those features installed, run at teardown
 
     # -- building -----------------------------------------------------------------------
 
@@ -236,6 +256,7 @@ class Interleaver:
         state.owner = me
         state.active = self
         self.thread = me
+        eager = compiled.force_eager()  # torch.compile'd code runs eagerly, hooks and all
         try:
             if not self.backward:
                 return self._run(call, args, kwargs or {})
@@ -245,6 +266,7 @@ class Interleaver:
             finally:
                 grads.uninstall("backward")
         finally:
+            compiled.restore(eager)
             try:
                 self._teardown()
             finally:
@@ -514,8 +536,8 @@ class Interleaver:
     # -- hooks ---------------------------------------------------------------------------
 
     def _hook(self, key):
-        if key in self.handles or key == self.state.result_key or (key < 2 and self.root_call):
-            return
+        if key in self.handles or key >= self.state.result_key or (key < 2 and self.root_call):
+            return  # the result, a root fired by hand, or an added location (no module hook)
         index = key >> 1
         # torch reads a module's forward hooks after its forward only on its slow path, which
         # a call takes when the module had a hook as it started. Hooking the containers of a
@@ -611,12 +633,49 @@ class Interleaver:
             else:
                 module.forward = previous
         self.overrides.clear()
+        cleanups, self.cleanups = self.cleanups, []
+        for cleanup in reversed(cleanups):
+            cleanup()
+        self.extensions = {}
         self.skips.clear()
         self.hub = None
         self.current = None
         self.mediators = []
         self.shared = None
         self.name_waiters = []
+
+    # -- added locations (source.py) ----------------------------------------------------------
+
+    def add_locations(self, owner, names):
+        """Keys for locations without a module hook (see `ModelState.add_locations`).
+
+        They are counted exactly from now on in this run; their events are fired by whoever
+        added them, through `handoff`.
+        """
+        state = self.state
+        base = state.add_locations(owner, names)
+        hub = self.hub
+        missing = state.nkeys - len(hub.counts)
+        if missing > 0:  # the hub indexes these unchecked: grow them before any fire
+            hub.counts.extend([0] * missing)
+            hub.exact.extend([True] * missing)
+            if hub.visits is not None:
+                hub.visits = state.visits
+                hub.positions = state.positions
+        for key in range(base, base + len(names)):
+            hub.observe(key)
+        return base
+
+    def handoff(self, key, value):
+        """Model side: location `key` happens with `value`; the value, as bodies left it."""
+        hub = self.hub
+        occ = hub.fire(key)
+        waiters = hub.take(key, occ)
+        if waiters is None:
+            return value
+        event = Event(key, occ, value)
+        self._serve(event, waiters)
+        return event.value
 
     # -- requests (body side) ---------------------------------------------------------------
 
