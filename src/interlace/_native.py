@@ -20,12 +20,9 @@ user cannot act on it anyway.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 import sysconfig
-
-_log = logging.getLogger("interlace")
 
 NO_EXTENSIONS = os.environ.get("INTERLACE_NO_EXTENSIONS") == "1"
 REQUIRE_EXTENSIONS = os.environ.get("INTERLACE_REQUIRE_EXTENSIONS") == "1"
@@ -87,6 +84,8 @@ hotpath, _hotpath_native = _load("_chotpath", "_pyhotpath")
 native: bool = _frames_native and (_hotpath_native or not _expected("_chotpath"))
 
 if not SUPPORTED and not NO_EXTENSIONS:
-    _log.warning("interlace: %s; using the pure-Python twins", why_not.get("_cframes"))
+    import logging  # here, not at the top: logging (and re, enum) would cost every import ~10 ms
+
+    logging.getLogger("interlace").warning("interlace: %s; using the pure-Python twins", why_not.get("_cframes"))
 
 __all__ = ["native", "frames", "hotpath", "why_not"]

@@ -35,7 +35,11 @@ How the native path skips, per version (see notes/cpython-with-skip-findings.md)
   split first). 3.13's fused LOAD_FAST_LOAD_FAST has no checked form: one that lies in the
   verified tail after the normal exit becomes a JUMP_FORWARD to the same instruction in the
   handler's copy of that tail (which the compiler emitted checked); where that is not
-  possible the site skips by raising, whose continuation is already checked.
+  possible the site skips by raising, whose continuation is already checked. A body whose
+  first statement is a `try` cannot skip by raising (the `try`'s handlers would run), so
+  there each fused read of a body-bound name gets a *guard* instead: an INSTRUCTION event
+  on that unit whose callback raises UnboundLocalError, as a checked read would, when a
+  local it reads is unbound, and otherwise lets the read run.
 
 The twin raises at the body start (`sys.monitoring` on 3.12+, a chained Python trace
 function on 3.10/3.11); it refuses shapes it cannot raise at (same-line and `try`-first
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional
 
 from .. import _native
 from ..errors import UnsupportedBlockError
@@ -147,6 +150,7 @@ def _make_plan(frame, code, block) -> SkipPlan:
         if first_is_try or not site.line_start:
             _refuse(block, site.refusal or "no verified normal exit",
                     "Make the body fall through to the end of the `with` block.")
+    guards = ()
     if V.NEEDS_LOAD_CHECKS and frame.f_code.co_flags & 0x1:
         names = set(getattr(block, "assigned_names", ()) or ())
         indices = set(sites.local_indices(code, names)) | _body_stores(code, site)
@@ -155,22 +159,27 @@ def _make_plan(frame, code, block) -> SkipPlan:
         if redirects is not None:
             _redirect(code, redirects)
         elif fused:
-            if first_is_try:
+            if first_is_try and mode == frames.JUMP:
+                # Raising at a `try`'s first statement would run its handlers, so this site
+                # must jump; the fused reads it cannot redirect are guarded instead.
+                guards = tuple(fused)
+            elif first_is_try:
                 _refuse(block, "its first statement is a `try` and a name it binds is read after "
                         "the block by a fused instruction (LOAD_FAST_LOAD_FAST) that cannot be "
                         "checked", "Put a statement before the `try`.")
-            mode = frames.RAISE_LINE
+            else:
+                mode = frames.RAISE_LINE
         _patch(code, plain)
     if V.HAS_MONITORING:
         if site.line_start and not site.fused_binding:
-            frames.prepare(code, (site.body_start,), (), (site.body_line,), _prev_unit(code, site))
+            frames.prepare(code, (site.body_start,), (), (site.body_line,), _prev_unit(code, site), guards)
         else:
             mode = frames.RAISE_INSTRUCTION
-            frames.prepare(code, (), (site.body_start,), (), _prev_unit(code, site))
+            frames.prepare(code, (), (site.body_start,), (), _prev_unit(code, site), guards)
     return SkipPlan(code, site, mode, block.filename, block.lineno)
 
 
-def _redirects(site, fused) -> Optional[list]:
+def _redirects(site, fused) -> list | None:
     """3.13: (unit, delta) turning each fused unchecked read after the normal exit into a
     JUMP_FORWARD to the same instruction in the handler's copy of the tail (which the
     compiler emitted checked); None if some fused read cannot be redirected."""

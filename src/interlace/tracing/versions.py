@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import sys
 import sysconfig
-from typing import Final
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # annotations only: importing typing costs `import interlace` ~2 ms
+    from typing import Final
 
 PY310: Final[bool] = sys.version_info[:2] == (3, 10)
 PY311: Final[bool] = sys.version_info[:2] == (3, 11)
