@@ -57,13 +57,27 @@ _pool = _Pool()
 _POOL_MAX = 8
 
 
-def _worker_loop(job):
-    """A greenlet's whole life: run jobs forever, reporting each outcome to its parent."""
+def _worker_loop():
+    """A greenlet's whole life: run jobs forever, reporting each outcome to its parent.
+
+    It is started with no arguments and receives every job through a switch: greenlet keeps
+    the arguments of a greenlet's *first* switch alive for as long as the greenlet lives
+    (they are the call of its run function), and a pooled greenlet lives as long as its
+    thread. A job passed there would keep its mediator, body, tracer and model alive.
+    Between jobs the loop holds nothing but the outcome code.
+    """
     me = getcurrent()
+    job = me.parent.switch()
     while True:
         outcome = job()
         job = None
         job = me.parent.switch(outcome)
+
+
+def _new_worker():
+    worker = greenlet(_worker_loop)
+    worker.switch()  # runs to its first wait, holding no job
+    return worker
 
 
 class Mediator:
@@ -90,7 +104,7 @@ class Mediator:
     def start(self):
         """Run the body until its first request (or its end). Returns a message."""
         idle = _pool.idle
-        worker = idle.pop() if idle else greenlet(_worker_loop)
+        worker = idle.pop() if idle else _new_worker()
         worker.parent = getcurrent()
         self.worker = worker
         self.body_grad = _is_grad_enabled()
@@ -157,5 +171,11 @@ class Mediator:
         if payload is Cancelled:
             raise Cancelled()
         if isinstance(payload, BaseException):
-            raise payload
+            try:
+                raise payload
+            finally:
+                # The error's traceback holds this frame: a local naming the error would make
+                # a cycle (error -> traceback -> frame -> error) that keeps the body's frames,
+                # hence the model, alive after the user drops the error, until gc runs.
+                payload = None
         return payload
