@@ -111,6 +111,14 @@ class LanguageModel(Model):
             )
         super().__init__(module)
         object.__setattr__(self, "tokenizer", tokenizer)
+        recipe = None
+        if not isinstance(model, torch.nn.Module):  # how a Ray worker rebuilds this model
+            recipe = (
+                (name,),
+                dict(tokenizer=tokenizer, device_map=device_map, dtype=dtype, automodel=automodel,
+                     **kwargs),  # (task= has become automodel= above)
+            )
+        object.__setattr__(self, "_load_recipe", recipe)
 
     # --- tracing and generation ------------------------------------------------------
 

@@ -68,13 +68,18 @@ def name_item(error, index, item):
     """Add a note naming the item and the user's line that raised (once per error)."""
     if not hasattr(error, "add_note") or getattr(error, "_interlace_sweep_item", None) is not None:
         return
-    where = ""
+    where = fallback = ""
     tb = error.__traceback__
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
-            where = f" at {filename}:{tb.tb_lineno}"
+    while tb is not None:  # the innermost frame of the user's own code (not a library's)
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIR):
+            line = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+            if "site-packages" in filename or "dist-packages" in filename:
+                fallback = line
+            else:
+                where = line
         tb = tb.tb_next
+    where = where or fallback
     text = repr(item)
     if len(text) > 120:
         text = text[:117] + "..."

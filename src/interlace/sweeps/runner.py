@@ -221,7 +221,9 @@ class Runner:
     def __init__(self, model, job, size):
         self.model = model
         self.job = job
-        self.size = size
+        # A body with `with loss.backward():` runs alone: each item's backward pass would
+        # free the batch's graph that the other items' backward passes still need.
+        self.size = 1 if job.backward else size
 
     def run_window(self, entries, done):
         """Run `entries` (in item order, any keys) in batches; `done(entry, saved)` for each.
@@ -308,6 +310,8 @@ def choose_batch_size(model, job, sample, n_items=None):
     as half the free memory holds by a rough per-token estimate, at most `_GPU_TOKENS`
     tokens; an underestimate is corrected by the out-of-memory split.
     """
+    if job.backward:
+        return 1  # see Runner
     length = max([_tokens(entry.key, entry.args) for entry in sample] or [1])
     if job.generate:
         kwargs = getattr(getattr(job.run, "inner", None), "kwargs", None) or {}
