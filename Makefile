@@ -10,7 +10,7 @@ STAMP := $(VENV)/.interlace-installed
 # The torch-free tracer core is also tested on these interpreters (skipped, with a line, when absent).
 CORE_VERSIONS ?= 3.10 3.12 3.13
 
-.PHONY: demo test test-native test-twin test-core-versions build clean
+.PHONY: demo test test-native test-twin test-core-versions build bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x "$(PY)" || "$(PYTHON311)" -m venv $(VENV)
@@ -52,6 +52,13 @@ test-core-versions:
 	  echo "== Python $$v, pure-Python twin"; \
 	  INTERLACE_NO_EXTENSIONS=1 $$venv/bin/python -m pytest -q tests/tracing $(PYTEST_ARGS); \
 	done
+
+# Every workload and contender in one run: a markdown report on stdout, figures in
+# build/bench-cpu.json (benchmarks/README.md). nnsight 0.8.1 and TransformerLens are measured
+# when installed (`$(PY) -m pip install -e ".[bench]"`), else skipped with a line saying so.
+# BENCH_ARGS, e.g. "--device cuda" or "--repeats 300 --shapes tiny".
+bench: build
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf build src/interlace/*.so csrc/_cframes.c csrc/_chotpath.c

@@ -1,0 +1,230 @@
+"""python -m benchmarks: every workload, every contender, in one run; a markdown report and JSON.
+
+    python -m benchmarks                          # CPU, default shapes, 100 rounds a case
+    python -m benchmarks --device cuda            # the same on a GPU (bf16, synchronised timing)
+    python -m benchmarks --repeats 2 --shapes tiny --json out.json   # the smoke test's run
+    python -m benchmarks --workloads save_one,edit_slope --contenders hooks,interlace
+
+Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), interlace
+native, the interlace twin (a worker process, taking turns with this one), nnsight 0.8.1 and
+TransformerLens when installed (`pip install -e '.[bench]'`); a missing one is skipped with a
+line saying so. Workloads: benchmarks/workloads.py. The report goes to stdout, the figures to
+--json (default build/bench-<device>.json); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+from . import contenders as C
+from . import measure, report, subjects, workloads
+
+MIB = 1 << 20
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), ...")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1: least noise)")
+    p.add_argument("--repeats", type=int, default=100, help="timed rounds per case (costly workloads run fewer)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(subjects.SHAPES)}")
+    p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(workloads.WORKLOADS)}")
+    p.add_argument("--contenders", default=None, help="comma-separated, of raw, hooks, interlace, twin, nnsight, tlens")
+    p.add_argument("--json", default=None, help="where to write the figures")
+    o = p.parse_args(argv)
+    device = "cuda" if o.device.startswith("cuda") else "cpu"
+    o.dtype = o.dtype or ("bfloat16" if device == "cuda" else "float32")
+    o.threads = o.threads if o.threads is not None else (1 if device == "cpu" else 0)
+    o.shapes = o.shapes.split(",") if o.shapes else list(subjects.DEFAULT_SHAPES[device])
+    o.workloads = o.workloads.split(",") if o.workloads else list(workloads.WORKLOADS)
+    for name in o.shapes:
+        if name not in subjects.SHAPES:
+            p.error(f"unknown shape {name!r}; known: {', '.join(subjects.SHAPES)}")
+    for name in o.workloads:
+        if name not in workloads.WORKLOADS:
+            p.error(f"unknown workload {name!r}; known: {', '.join(workloads.WORKLOADS)}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {o.device}: torch {torch.__version__} sees no CUDA device here")
+    o.json = o.json or os.path.join(measure.ROOT, "build", f"bench-{device}.json")
+    return o
+
+
+def hardware(o) -> dict:
+    import torch
+    import transformers
+
+    import interlace
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name() if o.device.startswith("cuda") else None
+    threads = torch.get_num_threads()
+    line = (f"{gpu + ' (' + o.dtype + '), ' if gpu else ''}CPU {cpu} ({os.cpu_count()} cores), "
+            f"{threads} torch thread{'s' if threads != 1 else ''}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, Python {platform.python_version()}, "
+            f"interlace {interlace.__version__} ({'compiled extension' if interlace.native else 'twin only'})")
+    return {"line": line, "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch_threads": threads,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "interlace_native": interlace.native,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def progress(text: str) -> None:
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def timed(w, cases, active, settings, o) -> dict:
+    """A timed workload: each case's contenders checked against the floor, then timed together."""
+    rounds = max(2, round(o.repeats * w.rounds))
+    warmup = max(1, rounds // 10)
+    out = {"title": w.title, "floor": cases[0].floor if cases else "hooks", "cases": {}}
+    for case in cases:
+        progress(f"{w.name}: {case.label} ({rounds} rounds)")
+        runners = {}
+        for c in active:
+            r = measure.runner(c, case.op, case.shape, case.args, settings)
+            if r is not None:
+                runners[c.name] = r
+        results = {name: r.result() for name, r in runners.items()
+                   if name != "raw" or case.floor == "raw"}
+        checks = measure.agree(results, case.floor, loose=frozenset({"tlens"}))
+        del results
+        rows = measure.summarize(measure.interleaved(runners, rounds, warmup), case.floor, case.per_call)
+        for name, (ok, diff) in checks.items():
+            rows[name].update(agrees=ok, max_diff=diff)
+        out["cases"][case.label] = rows
+    return out
+
+
+def peak(w, cases, active, settings) -> dict:
+    case = cases[0]
+    progress(f"{w.name}: {case.label}")
+    values = {}
+    for c in active:
+        r = measure.runner(c, case.op, case.shape, case.args, settings)
+        if r is None:
+            continue
+        r.result()  # warm: first-call allocations are not what a trace needs
+        values[c.name] = r.peak()
+    base = values.get("raw", 0)
+    return {"title": w.title, "case": case.label, "peak_bytes": values,
+            "peak": {n: v - base for n, v in values.items()}}
+
+
+def main(argv=None) -> int:
+    o = parse(argv)
+    settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
+    measure.configure(settings)
+    wanted = set(o.contenders.split(",")) if o.contenders else None
+
+    everyone = [C.Raw(), C.Hooks(), C.Interlace()]
+    worker = None
+    if wanted is None or "twin" in wanted:
+        progress("starting the twin's worker process")
+        worker = measure.Worker(settings)
+        everyone.append(measure.RemoteContender(worker))
+    everyone += [C.NNsight(), C.TransformerLens()]
+    active, skipped = [], {}
+    for c in everyone:
+        if wanted is not None and c.name not in wanted:
+            continue
+        why = c.unavailable()
+        if why:
+            skipped[c.label] = why
+        else:
+            active.append(c)
+    for label, why in skipped.items():
+        progress(f"skipping {label}: {why}")
+    names = [c.name for c in active]
+    results = {
+        "hardware": hardware(o), "settings": {**settings, "repeats": o.repeats, "shapes": o.shapes},
+        "contenders": names, "labels": {c.name: c.label for c in everyone},
+        "versions": {c.name: c.version for c in active if c.version}, "skipped": skipped, "workloads": {},
+    }
+    pycache = workloads.pycache_dir()
+    try:
+        for wname in o.workloads:
+            w = workloads.WORKLOADS[wname]
+            if wname == "import":
+                progress("import: fresh interpreters")
+                which = [n for n in ("raw", "interlace", "twin", "nnsight", "tlens") if n in names or n == "raw"]
+                if "nnsight" in which or "tlens" in which:
+                    which.append("torch")  # what they import first, for scale
+                rows = workloads.import_times(which, max(1, o.repeats // 10), pycache, warm=o.repeats > 2)
+                results["workloads"][wname] = {
+                    "title": w.title, "rows": rows,
+                    "columns": ["wall_ms", "min_wall_ms", "cpu_ms", "over_empty_wall_ms", "over_empty_cpu_ms"]}
+            elif wname == "cold_start":
+                which = [n for n in ("interlace", "twin", "nnsight", "tlens") if n in names]
+                shape = workloads.pick(o, "gpt2-small")
+                progress(f"cold_start: fresh processes, {shape}")
+                rows = workloads.cold_start(which, shape, max(1, o.repeats // 25), settings, pycache,
+                                            warm=o.repeats > 2)
+                results["workloads"][wname] = {
+                    "title": f"{w.title}, {shape}", "rows": rows,
+                    "columns": ["import_ms", "wrap_ms", "first_ms", "new_site_ms", "warm_ms"]}
+            elif wname == "peak_memory":
+                results["workloads"][wname] = peak(w, w.cases(o), active, settings)
+            else:
+                cases = w.cases(o)
+                entry = timed(w, cases, active, settings, o)
+                if wname == "edit_slope":
+                    entry["summary"] = slopes(entry, cases)
+                if wname == "wrapped":
+                    entry["structural"] = wrapped_structure(cases[0], active, settings)
+                results["workloads"][wname] = entry
+    finally:
+        if worker is not None:
+            worker.close()
+    results["goals"] = report.goals(results)
+    text = report.markdown(results)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
+    with open(o.json, "w") as f:
+        json.dump({**results, "markdown": text}, f, indent=1, default=str)
+    progress(f"figures written to {o.json}")
+    return 0
+
+
+def slopes(entry, cases) -> dict:
+    """us per edit (slope over k) per contender, and its ratio to plain hooks' slope."""
+    ks = [case.args[0] for case in cases]
+    rows = list(entry["cases"].values())
+    out = {}
+    for name in rows[0]:
+        if name == "raw" or len(ks) < 2:
+            continue
+        out[name] = {"per_edit_us": workloads.slope(ks, [row[name]["median_us"] for row in rows])}
+    ref = out.get("hooks", {}).get("per_edit_us")
+    for row in out.values():
+        row["ratio"] = row["per_edit_us"] / ref if ref else None
+    return out
+
+
+def wrapped_structure(case, active, settings) -> dict:
+    """What each in-process wrapper left on its module outside a trace (workloads.structural)."""
+    s = subjects.build(case.shape, settings["device"], settings["dtype"])
+    out = {}
+    for c in active:
+        if c.name == "interlace":
+            out[c.name] = workloads.structural(s.module)
+        elif c.name == "nnsight":
+            out[c.name] = workloads.structural(c.model(s)._module)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

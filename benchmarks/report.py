@@ -1,0 +1,133 @@
+"""The markdown report of a run: the hardware line, one table per workload, and the goals.
+
+Cells of timed workloads read `median us (ratio to the floor)`; a `≠` marks a contender
+whose results did not agree with the floor's (see measure.agree). The goals are issue 8's
+acceptance criteria, reported against this run's figures, not asserted.
+"""
+
+from __future__ import annotations
+
+MIB = 1 << 20
+
+GOALS = (
+    # (key, text, target, how to read it from the results)
+    ("fixed", "fixed cost per trace over plain hooks, tiny GPT-2 (us)", 30.0,
+     lambda r, c: _cell(r, "save_one", "tiny", c, "overhead_us")),
+    ("save_one", "save one layer, tiny (x plain hooks)", 1.03, lambda r, c: _cell(r, "save_one", "tiny", c, "ratio")),
+    ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks)", 1.05,
+     lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
+    ("save_all", "save every layer, tiny (x plain hooks)", 1.05, lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
+    ("edit_slope", "cost per edited location (x plain hooks' per edit)", 2.0,
+     lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
+    ("tracer", "warm Tracer, no-op backend (x nullcontext)", 2.0,
+     lambda r, c: _cell(r, "tracer", "tiny body", c, "ratio")),
+    ("import", "`import interlace` over an empty interpreter (ms, wall)", 30.0,
+     lambda r, c: r["workloads"].get("import", {}).get("rows", {}).get(c, {}).get("over_empty_wall_ms")),
+    ("invokes", "16 invokes (x the plain-hook batch)", 1.2,
+     lambda r, c: next((row.get(c, {}).get("ratio") for label, row in
+                        r["workloads"].get("invokes", {}).get("cases", {}).items() if label.endswith("n=16")), None)),
+    ("wrapped", "wrapped model outside a trace (us over the bare module)", None,
+     lambda r, c: _cell(r, "wrapped", None, c, "overhead_us")),
+)
+
+
+def _cell(results, workload, label, contender, key):
+    cases = results["workloads"].get(workload, {}).get("cases", {})
+    if label is None:
+        label = next(iter(cases), None)
+    return cases.get(label, {}).get(contender, {}).get(key)
+
+
+def goals(results: dict) -> list:
+    """[{goal, target, interlace, twin, met}] (met: the native path's figure, None if unmeasured)."""
+    out = []
+    for key, text, target, read in GOALS:
+        row = {"goal": key, "text": text, "target": target}
+        for c in ("interlace", "twin", "nnsight"):
+            row[c] = read(results, c)
+        value = row["interlace"]
+        row["met"] = None if value is None or target is None else value <= target
+        if key == "wrapped":
+            found = results["workloads"].get("wrapped", {}).get("structural", {}).get("interlace")
+            row["structural"] = found
+            row["met"] = None if found is None else not found
+        out.append(row)
+    return out
+
+
+def _us(value):
+    if value is None:
+        return "—"
+    if value >= 10_000:
+        return f"{value / 1e3:,.1f} ms"
+    return f"{value:,.1f} us" if value < 100 else f"{value:,.0f} us"
+
+
+def _bytes(value):
+    if value is None:
+        return "—"
+    return f"{value / MIB:,.2f} MiB" if abs(value) >= MIB // 4 else f"{value / 1024:,.1f} KiB"
+
+
+def _num(value, digits=2):
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    hw = results["hardware"]
+    lines = [f"**{hw['line']}**", ""]
+    for name, why in results["skipped"].items():
+        lines.append(f"- skipped {name}: {why}")
+    if results["skipped"]:
+        lines.append("")
+    names = results["contenders"]
+    labels = results["labels"]
+    for wname, w in results["workloads"].items():
+        lines += [f"### {w['title']}", ""]
+        if "rows" in w:  # import, cold start
+            keys = w["columns"]
+            lines.append("| " + " | ".join(["contender"] + keys) + " |")
+            lines.append("|" + "---|" * (len(keys) + 1))
+            for c, row in w["rows"].items():
+                cells = [_num(row.get(k), 1) for k in keys]
+                lines.append(f"| {row.get('label', labels.get(c, c))} | " + " | ".join(cells) + " |")
+        elif "peak" in w:
+            lines.append("| case | " + " | ".join(labels[c] for c in names if c in w["peak"]) + " |")
+            lines.append("|" + "---|" * (1 + sum(c in w["peak"] for c in names)))
+            lines.append(f"| {w['case']} | " + " | ".join(_bytes(w["peak"][c]) for c in names if c in w["peak"]) + " |")
+        else:
+            present = [c for c in names if any(c in row for row in w["cases"].values())]
+            lines.append("| case | " + " | ".join(labels[c] for c in present) + " |")
+            lines.append("|" + "---|" * (len(present) + 1))
+            for label, row in w["cases"].items():
+                cells = []
+                for c in present:
+                    cell = row.get(c)
+                    if cell is None:
+                        cells.append("—")
+                        continue
+                    text = _us(cell["median_us"])
+                    if c != w["floor"] and cell.get("ratio") is not None:
+                        text += f" ({cell['ratio']:.2f}x)"
+                    if cell.get("agrees") is False:
+                        text += " ≠"
+                    cells.append(text)
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            if "summary" in w:
+                lines.append("")
+                for c, s in w["summary"].items():
+                    lines.append(f"- {labels[c]}: {s['per_edit_us']:.1f} us per edit"
+                                 + (f" ({s['ratio']:.2f}x plain hooks')" if s.get("ratio") is not None else ""))
+            if "structural" in w:
+                lines.append("")
+                for c, found in w["structural"].items():
+                    lines.append(f"- {labels[c]} outside a trace: "
+                                 + ("no hooks, the module's own forward" if not found else "; ".join(found[:4])))
+        lines.append("")
+    lines += ["### Goals (issue 8; interlace native unless marked)", "",
+              "| goal | target | interlace | twin | nnsight | met |", "|---|---|---|---|---|---|"]
+    for g in results["goals"]:
+        met = {True: "yes", False: "**no**", None: "—"}[g["met"]]
+        lines.append(f"| {g['text']} | {_num(g['target'])} | {_num(g['interlace'])} | {_num(g['twin'])} | "
+                     f"{_num(g['nnsight'])} | {met} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,204 @@
+"""The workloads: what is measured, on which shapes, against which floor, and their summaries.
+
+Timed workloads are lists of `Case`s (one table row each); every contender that can do a
+case's operation is timed on it in the same rounds (measure.interleaved). Three workloads
+run in fresh processes or measure memory instead (`import`, `cold_start`, `peak_memory`).
+
+  save_one     save one layer's output                   every shape
+  zero_mlps    zero every MLP's output, save the logits  every shape
+  save_all     save every layer's output                 every shape
+  edit_slope   zero k MLPs, k = 1..layers: us per edit, against plain hooks' us per edit
+  invokes      n = 1..32 invokes saving layer 0, against one batch with a plain hook
+  generate     16 new tokens reading the logits at every step with `tracer.iter[:]`
+  fixed        the fixed cost of one trace: a 2x2 Linear, save its output
+  wrapped      the wrapped model called outside a trace, against the bare module
+  tracer       a warm `interlace.Tracer` with a do-nothing backend, against `nullcontext`
+  peak_memory  bytes a save-every-layer trace needs above what was in use, against a forward
+  cold_start   fresh process: import the library, wrap, first trace, first trace at a new site
+  import       `import <library>` in a fresh interpreter, against an empty interpreter
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import subjects
+from .contenders import ENTRIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    op: str
+    shape: str
+    args: tuple = ()
+    floor: str = "hooks"   # the contender the ratios are taken against
+    per_call: int = 1      # the callable repeats the work this many times
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    cases: object             # (options) -> [Case]
+    rounds: float = 1.0       # share of --repeats this workload runs (costly ones run fewer)
+
+
+def pick(options, preferred: str) -> str:
+    """`preferred` if selected, else the first selected GPT-2 shape, else the first shape."""
+    shapes = [s for s in options.shapes if s != "linear"]
+    if preferred in shapes:
+        return preferred
+    return next((s for s in shapes if subjects.SHAPES[s].arch == "gpt2"), shapes[0])
+
+
+def _per_shape(op):
+    return lambda o: [Case(s, op, s) for s in o.shapes if s != "linear"]
+
+
+def _slope_cases(o):
+    shape = pick(o, "gpt2-small")
+    return [Case(f"{shape}, k={k}", "zero_mlps", shape, (k,)) for k in range(1, subjects.SHAPES[shape].layers + 1)]
+
+
+INVOKES = (1, 2, 4, 8, 16, 32)
+NEW_TOKENS = 16
+
+WORKLOADS = {
+    w.name: w for w in (
+        Workload("save_one", "Save one layer's output", _per_shape("save_one")),
+        Workload("zero_mlps", "Zero every MLP output, save the logits", _per_shape("zero_mlps")),
+        Workload("save_all", "Save every layer's output", _per_shape("save_all")),
+        Workload("edit_slope", "Zero k MLPs: the cost of each edit", _slope_cases, rounds=0.3),
+        Workload("invokes", "n invokes saving layer 0 (plain hooks: one batch of n rows)",
+                 lambda o: [Case(f"{pick(o, 'tiny')}, n={n}", "invokes", pick(o, "tiny"), (n,)) for n in INVOKES],
+                 rounds=0.5),
+        Workload("generate", f"Generate {NEW_TOKENS} tokens, read the logits at every step (tracer.iter[:])",
+                 lambda o: [Case(pick(o, "tiny"), "generate", pick(o, "tiny"), (NEW_TOKENS,))], rounds=0.25),
+        Workload("fixed", "Fixed cost of a trace: 2x2 Linear, save its output",
+                 lambda o: [Case("linear", "fixed", "linear")]),
+        Workload("wrapped", "Wrapped model called outside a trace (floor: the bare module)",
+                 lambda o: [Case(s, "wrapped", s, floor="raw") for s in o.shapes if s != "linear"][:1]),
+        Workload("tracer", f"Warm Tracer, do-nothing backend, per entry (floor: nullcontext; {ENTRIES} entries a call)",
+                 lambda o: [Case("tiny body", "noop_tracer", "linear", floor="raw", per_call=ENTRIES)]),
+        Workload("peak_memory", "Peak tensor memory of saving every layer, above a raw forward's",
+                 lambda o: [Case(pick(o, "gpt2-small"), "save_all", pick(o, "gpt2-small"), floor="raw")]),
+        Workload("cold_start", "Cold start in a fresh process (ms)", None),
+        Workload("import", "`import <library>` in a fresh interpreter (ms)", None),
+    )
+}
+
+
+def slope(ks: list, us: list) -> float:
+    """Least-squares slope of us against k."""
+    mk, mu = statistics.fmean(ks), statistics.fmean(us)
+    return sum((k - mk) * (u - mu) for k, u in zip(ks, us)) / sum((k - mk) ** 2 for k in ks)
+
+
+def structural(module) -> list:
+    """What a wrapped model outside a trace left on `module` that a bare module would not have:
+    hooks, or a `forward` that is not its class's (empty: it is the bare module)."""
+    from torch.nn.modules import module as torch_module
+
+    found = []
+    for name, m in module.named_modules():
+        for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
+            if getattr(m, kind, None):
+                found.append(f"{name or 'root'}: {kind}")
+        if "forward" in m.__dict__:
+            found.append(f"{name or 'root'}: forward replaced")
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+        if getattr(torch_module, kind, None):
+            found.append(f"torch global {kind}")
+    return found
+
+
+# -- fresh processes: import and cold start ----------------------------------------------------
+
+IMPORTS = {
+    "raw": ("empty interpreter", "pass", {}),
+    "interlace": ("interlace", "import interlace", {}),
+    "twin": ("interlace twin", "import interlace", {"INTERLACE_NO_EXTENSIONS": "1"}),
+    "nnsight": ("nnsight (imports torch)", "import nnsight", {}),
+    "tlens": ("TransformerLens (imports torch)", "import transformer_lens", {}),
+    "torch": ("torch (for scale)", "import torch", {}),
+}
+
+
+def fresh_env(pycache: str, extra: dict | None = None) -> dict:
+    """The environment of a fresh process: compiled bytecode cached as in an installed
+    package (PYTHONDONTWRITEBYTECODE would make every import compile its sources)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLACE_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPYCACHEPREFIX"] = pycache
+    env.update(extra or {})
+    return env
+
+
+def _child_run(argv, env) -> tuple:
+    """(wall s, CPU s, stdout) of one child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, proc.stdout
+
+
+def import_times(names: list, repeats: int, pycache: str, warm: bool = True) -> dict:
+    """{name: row} of `python -c "import X"`, the processes taking turns, ms: wall (median and
+    min) and CPU (median), each also over the empty interpreter's. `warm`: one unmeasured run
+    each first, filling the bytecode and file caches (smoke runs skip it)."""
+    envs = {n: fresh_env(pycache, IMPORTS[n][2]) for n in names}
+    for n in names if warm else ():
+        _child_run([sys.executable, "-c", IMPORTS[n][1]], envs[n])
+    walls, cpus = {n: [] for n in names}, {n: [] for n in names}
+    for _ in range(repeats):
+        for n in names:
+            wall, cpu, _ = _child_run([sys.executable, "-c", IMPORTS[n][1]], envs[n])
+            walls[n].append(wall * 1e3)
+            cpus[n].append(cpu * 1e3)
+    base_wall, base_cpu = statistics.median(walls["raw"]), statistics.median(cpus["raw"])
+    return {n: {"label": IMPORTS[n][0], "wall_ms": statistics.median(walls[n]), "min_wall_ms": min(walls[n]),
+                "cpu_ms": statistics.median(cpus[n]),
+                "over_empty_wall_ms": statistics.median(walls[n]) - base_wall,
+                "over_empty_cpu_ms": statistics.median(cpus[n]) - base_cpu}
+            for n in names}
+
+
+def cold_start(names: list, shape: str, repeats: int, settings: dict, pycache: str,
+               warm: bool = True) -> dict:
+    """{name: row of median ms} from `benchmarks.coldstart` run `repeats` times per contender,
+    the contenders taking turns (`warm`: after one unmeasured run each)."""
+    envs = {n: fresh_env(pycache, {"INTERLACE_NO_EXTENSIONS": "1"} if n == "twin" else {}) for n in names}
+    argv = [sys.executable, "-m", "benchmarks.coldstart", "--shape", shape, "--device", settings["device"],
+            "--dtype", settings["dtype"], "--threads", str(settings.get("threads") or 0)]
+    samples = {n: [] for n in names}
+    for n in names if warm else ():  # bytecode cache first
+        _child_run(argv + ["--contender", n, "--sites", "1"], envs[n])
+    for _ in range(repeats):
+        for n in names:
+            _, _, out = _child_run(argv + ["--contender", n], envs[n])
+            samples[n].append(json.loads(out.strip().splitlines()[-1]))
+    rows = {}
+    for n, runs in samples.items():
+        rows[n] = {key: statistics.median([r[key] for r in runs if r.get(key) is not None])
+                   for key in runs[0] if any(r.get(key) is not None for r in runs)}
+    return rows
+
+
+def pycache_dir() -> str:
+    return tempfile.mkdtemp(prefix="interlace-bench-pyc-")
