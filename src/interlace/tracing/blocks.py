@@ -53,7 +53,7 @@ import threading
 import types
 
 from ..errors import UnsupportedBlockError, WithBlockNotFoundError
-from . import source, versions
+from . import skip, source, versions
 
 # (id(code), f_lasti, steps key) -> (code, Block | _Refusal)
 BLOCKS: dict[tuple, tuple] = {}
@@ -405,7 +405,9 @@ def build_block(frame, steps):
     try:
         bound = frame.f_locals
         targets = {n.id for item in node.items if item.optional_vars for n in ast.walk(item.optional_vars) if type(n) is ast.Name}
-        block.function_code(tuple(n for n in names if n in bound or n in targets), steps)
+        params = tuple(n for n in names if n in bound or n in targets)
+        skip.release_locals(frame, bound)  # the snapshot would keep the caller's locals alive
+        block.function_code(params, steps)
     except SyntaxError as error:
         raise UnsupportedBlockError(
             f"{filename}:{error.lineno or node.lineno}: the traced block at line {node.lineno} does "

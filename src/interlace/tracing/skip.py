@@ -280,3 +280,17 @@ def write_back(frame, values: dict) -> None:
     """Write `values` into the caller: fast locals and cells (3.10-3.13), module globals,
     class-body namespaces."""
     frames.write_back(frame, values)
+    release_locals(frame)
+
+
+def release_locals(frame, snapshot=None) -> None:
+    """Empty the `f_locals` snapshot reading a function frame's locals left on it (3.10-3.12).
+
+    The snapshot holds every local of that moment - the model, its inputs - for as long as
+    the frame lives, so `del model` after a trace in the same function would free nothing.
+    Emptying it loses nothing: every read of `f_locals` (or `locals()`) syncs it again from
+    the real locals first. Module and class frames have no snapshot (their dict is the
+    namespace itself). `snapshot`: the dict already read, to avoid syncing it again.
+    """
+    if V.LOCALS_SNAPSHOT and frame is not None and frame.f_code.co_flags & 0x1:  # CO_OPTIMIZED
+        (frame.f_locals if snapshot is None else snapshot).clear()

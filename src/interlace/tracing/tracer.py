@@ -192,7 +192,8 @@ class Tracer:
     def execute(self, block, namespace=None) -> dict:
         """Run the compiled body against a copy of `namespace` (default: the caller's locals)."""
         frame = self._frame
-        if namespace is None:
+        snapshot = namespace is None
+        if snapshot:
             namespace = frame.f_locals  # module: its globals; class: its namespace
         params = tuple([name for name in block.names if name in namespace])
         if frame is not None:
@@ -203,7 +204,10 @@ class Tracer:
                 function = block.callables[key] = _make_function(block.function_code(params, self), globals_)
         else:  # a rebuilt (unpickled) tracer: `namespace` is all it has
             function = _make_function(block.function_code(params, self), dict(namespace))
-        result = function(*[namespace[name] for name in params])
+        arguments = [namespace[name] for name in params]
+        if snapshot:
+            skip.release_locals(frame, namespace)  # the snapshot would keep the caller's locals alive
+        result = function(*arguments)
         del result[_LOCALS_PARAM]
         return result
 

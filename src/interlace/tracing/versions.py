@@ -80,6 +80,9 @@ CHECKED_LOAD: Final[str] = "LOAD_FAST_CHECK"
 FUSED_LOADS: Final[frozenset] = frozenset({"LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST"})
 #: Whether unchecked reads exist at all (3.10/3.11 LOAD_FAST always checks).
 NEEDS_LOAD_CHECKS: Final[bool] = PY312_PLUS
+# Reading a function frame's `f_locals` (3.10-3.12) leaves a dict snapshot on the frame that
+# keeps those values alive until the next read; 3.13's `f_locals` is a live proxy (PEP 667).
+LOCALS_SNAPSHOT: Final[bool] = not PY313_PLUS
 
 
 def is_exit_call(names: list, args: list, i: int) -> int:
