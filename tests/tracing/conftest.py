@@ -8,7 +8,7 @@ as a function of the context manager class, and compares `f(Tracer)` with `f(Inl
 
 import pytest
 
-from interlace.tracing.save import _CURRENT, TraceState
+from interlace.tracing.save import _CURRENT, TraceState, enter_body, exit_body
 
 
 class Inline:
@@ -19,11 +19,11 @@ class Inline:
         self.kwargs = kwargs
 
     def __enter__(self):
-        self._token = _CURRENT.set(TraceState(_CURRENT.get()))
+        self._token = enter_body(TraceState(_CURRENT.get()))  # as Tracer.run_body: mounts .save()
         return self
 
     def __exit__(self, *exc):
-        _CURRENT.reset(self._token)
+        exit_body(self._token)
         return False
 
 

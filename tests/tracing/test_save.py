@@ -1,6 +1,10 @@
 """save(): by identity, only inside a trace, on every object, and owned by the trace."""
 
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -88,14 +92,6 @@ def test_a_class_own_save_method_wins():
 
     assert f() == "wrote out.png"
     assert Image().save("x") == "wrote x"  # and outside a trace too
-
-
-def test_object_save_is_mounted_once():
-    assert save_module.OBJECT_SAVE
-    assert object.__dict__["save"] is save_module.OBJECT_SAVE_DESCRIPTOR
-    assert save_module._mount_on_object() is True
-    assert object.__dict__["save"] is save_module.OBJECT_SAVE_DESCRIPTOR
-    assert [1].save.__func__ is save_module._object_save
 
 
 # -- the state belongs to the trace ---------------------------------------------------------
@@ -219,6 +215,128 @@ def test_concurrent_traces_do_not_see_each_others_saves():
     assert out["slow"] == 1  # only its own save (itself), none of the main thread's three
 
 
+# -- the `.save` mount on `object` ------------------------------------------------------------
+# What is on `object` is process-wide, so the cases that depend on the order of events run in
+# fresh interpreters (same interlace path: the INTERLACE_* switches are inherited).
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+
+
+def run_fresh(code, *paths):
+    """Run `code` in a fresh interpreter that imports interlace from src/ (and `paths`); its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, *map(str, paths)]))
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_import_mounts_nothing_and_the_first_trace_body_mounts():
+    out = run_fresh("""
+        import interlace
+        from interlace import Tracer
+        before = "save" in object.__dict__, hasattr([], "save")
+        with Tracer():
+            kept = [1].save()
+        from interlace.tracing.save import OBJECT_SAVE_DESCRIPTOR
+        print(before, kept, object.__dict__["save"] is OBJECT_SAVE_DESCRIPTOR)
+    """)
+    assert out == "(False, False) [1] True"
+
+
+def test_mounted_once_and_it_stays():
+    with Tracer():
+        pass_through = [0].save()
+    assert pass_through == [0]
+    assert object.__dict__["save"] is save_module.OBJECT_SAVE_DESCRIPTOR
+    assert save_module.mount() is True
+    assert object.__dict__["save"] is save_module.OBJECT_SAVE_DESCRIPTOR
+    assert [1].save.__func__ is save_module._object_save
+
+
+EXPERIMENT = """
+from interlace import Tracer
+
+with Tracer():
+    kept = [1, 2].save()
+    class_has_save = save(hasattr(int, "save"))  # no: pybind11 may be defining a `save` now
+OFF_AFTER_THE_BODY = "save" not in object.__dict__  # the import goes on without it
+"""
+
+
+def test_a_trace_at_import_time_can_save(tmp_path):
+    """The issue's case: a module that runs a trace when imported, after interlace was."""
+    (tmp_path / "experiment_at_import.py").write_text("from interlace import save\n" + EXPERIMENT)
+    out = run_fresh("""
+        import interlace
+        import experiment_at_import as e
+        print(e.kept, "save" in object.__dict__)
+    """, tmp_path)
+    assert out == "[1, 2] True"
+    # Mounted already when the import starts (the import guard is on): a class has no `save`
+    # during the body, and the rest of the import runs without it.
+    out = run_fresh("""
+        import interlace
+        with interlace.Tracer():
+            first = [0].save()
+        import experiment_at_import as e
+        print(e.kept, e.class_has_save, e.OFF_AFTER_THE_BODY, "save" in object.__dict__)
+    """, tmp_path)
+    assert out == "[1, 2] False True True"
+
+
+def test_save_stays_on_while_another_thread_imports(tmp_path):
+    """A body running in one thread keeps `.save()` while another thread imports a module."""
+    (tmp_path / "slow_import.py").write_text(
+        "import slow_import_events as ev\n"
+        "ev.importing.set()\n"
+        "assert ev.saved.wait(10)\n"
+        "DURING_BODY = 'save' in object.__dict__\n"
+        "ev.checked.set()\n"
+        "assert ev.body_done.wait(10)\n"
+        "AFTER_BODY = 'save' in object.__dict__\n"
+    )
+    out = run_fresh("""
+        import sys, threading, types
+        import interlace
+        ev = sys.modules["slow_import_events"] = types.ModuleType("slow_import_events")
+        ev.importing, ev.saved, ev.checked, ev.body_done = (threading.Event() for _ in range(4))
+        got = {}
+        with interlace.Tracer():
+            first = [0].save()  # mounted (and the import guard on) before the import starts
+
+        def trace():
+            with interlace.Tracer():
+                ev.importing.wait(10)
+                kept = [7].save()   # while the main thread is inside `import slow_import`
+                ev.saved.set()
+                ev.checked.wait(10)
+            got["kept"] = kept
+            ev.body_done.set()
+
+        thread = threading.Thread(target=trace)
+        thread.start()
+        import slow_import
+        thread.join()
+        print(got, slow_import.DURING_BODY, slow_import.AFTER_BODY, "save" in object.__dict__)
+    """, tmp_path)
+    assert out == "{'kept': [7]} True False True"
+
+
+def test_classes_read_save_as_a_function_and_modules_have_none():
+    """`torch.compile` reads every name of `dir(torch.Tensor)`; pybind11 probes modules."""
+    import types
+
+    with Tracer():
+        pass_through = save(1)
+    assert pass_through == 1
+    assert int.save is save_module._object_save and Tensorish.save is save_module._object_save
+    walked = {name: getattr(Tensorish, name) for name in dir(Tensorish)}  # what dynamo does
+    assert walked["save"] is save_module._object_save
+    assert getattr(types.ModuleType("scratch"), "save", None) is None
+    assert "save" not in dir(types.ModuleType("scratch"))
+
+
 # -- `save` on every object must not break imports that walk dir() -------------------------------
 STRICT_MODULE = '''
 class Strict:
@@ -247,6 +365,7 @@ COPIED = Copier().run()
 
 
 def test_imports_that_walk_dir_do_not_see_save(tmp_path, monkeypatch):
+    assert save_module.mount() is True
     (tmp_path / "strict_dir_walker.py").write_text(STRICT_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("strict_dir_walker")
@@ -259,34 +378,139 @@ def test_imports_that_walk_dir_do_not_see_save(tmp_path, monkeypatch):
     assert kept == [1]
 
 
-def test_modules_and_classes_have_no_save_attribute():
-    import types
-
-    assert getattr(types.ModuleType("scratch"), "save", None) is None
-    assert getattr(int, "save", None) is None and not hasattr(Tensorish, "save")
-    assert hasattr(Tensorish(1), "save")
-
-
-def test_torch_imported_after_interlace_keeps_torch_save():
+def test_torch_transformers_anyio_import_after_interlace_and_after_a_trace():
     """In a subprocess: tests/tracing never imports torch itself."""
     import importlib.util
-    import os
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed on this interpreter")
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
-    code = (
-        "import interlace, torch\n"
-        "from interlace import Tracer\n"
-        "assert torch.save.__module__ == 'torch.serialization', torch.save\n"
-        "t = torch.ones(2)\n"
-        "with Tracer():\n"
-        "    kept = (t * 3).save()\n"
-        "print(kept.tolist())\n"
-    )
-    env = dict(os.environ, PYTHONPATH=src)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[3.0, 3.0]"
+    optional = [name for name in ("transformers", "anyio") if importlib.util.find_spec(name) is not None]
+    out = run_fresh(f"""
+        import interlace
+        from interlace import Tracer
+        with Tracer():
+            first = [0].save()          # mounted before torch is imported
+        import torch
+        for name in {optional!r}:
+            __import__(name)
+        assert torch.save.__module__ == "torch.serialization", torch.save
+        t = torch.ones(2)
+        with Tracer():
+            kept = (t * 3).save()
+        print(kept.tolist())
+    """)
+    assert out == "[3.0, 3.0]"
+
+
+# -- chaining to another library's `save` (nnsight 0.8.1 mounts one the same way) ----------------
+FAKE_MOUNTER = '''
+"""Mounts `save` on object as nnsight 0.8.1 does: an instancemethod written into object's
+dict, no chaining, raising outside its own traces. CHAIN=True: a polite one that defers to
+whatever it displaced outside its traces."""
+import contextlib, ctypes, gc
+
+CHAIN = False
+depth = 0
+saved = []
+found = None
+
+
+def save(value, _=None):
+    if depth == 0:
+        if CHAIN and found is not None:
+            return found.__get__(value, type(value))()
+        raise ValueError("fake_mounter: save() outside a fake trace")
+    saved.append(value)
+    return value
+
+
+@contextlib.contextmanager
+def trace():
+    global depth
+    depth += 1
+    try:
+        yield
+    finally:
+        depth -= 1
+
+
+def mount():
+    global found
+    found = object.__dict__.get("save")
+    new = ctypes.pythonapi.PyInstanceMethod_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.py_object]
+    (namespace,) = [r for r in gc.get_referents(object.__dict__) if type(r) is dict]
+    namespace["save"] = new(save)
+    ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+'''
+
+COEXIST_CHECK = """
+from interlace import Tracer, save
+
+def check():
+    with fake_mounter.trace():
+        theirs = [1].save()
+        none = None.save()
+    assert fake_mounter.saved[-2:] == [[1], None] and fake_mounter.saved[-2] is theirs
+    with Tracer():
+        ours = [2].save()
+        by_function = save([3])
+        no_value = None.save()
+    assert (ours, by_function, no_value) == ([2], [3], None)
+    try:
+        [4].save()
+    except ValueError as error:
+        assert "fake_mounter" in str(error), error   # deferred to theirs outside our traces
+    else:
+        raise AssertionError("no error outside any trace")
+    try:
+        save(5)
+    except ValueError as error:
+        assert "outside a trace" in str(error), error
+    assert int.save is fake_mounter.save   # a class sees theirs, as if we were not there
+
+check()
+check()
+print("ok")
+"""
+
+ORDERS = {
+    "interlace first": "import interlace\nimport fake_mounter\nfake_mounter.mount()\n",
+    "theirs first": "import fake_mounter\nfake_mounter.mount()\nimport interlace\n",
+    "interlace traced first": (
+        "import interlace\nwith interlace.Tracer():\n    x = [0].save()\n"
+        "import fake_mounter\nfake_mounter.mount()\n"
+    ),
+    "mounted during an import": (  # nnsight mounts at the end of its own import
+        "import interlace\nwith interlace.Tracer():\n    x = [0].save()\n"
+        "import fake_mounter_at_import\nimport fake_mounter\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_each_library_saves_in_its_own_traces(order, tmp_path):
+    (tmp_path / "fake_mounter.py").write_text(FAKE_MOUNTER)
+    (tmp_path / "fake_mounter_at_import.py").write_text("import fake_mounter\nfake_mounter.mount()\n")
+    assert run_fresh(ORDERS[order] + COEXIST_CHECK, tmp_path) == "ok"
+
+
+def test_a_mounter_that_chains_back_to_ours_does_not_loop(tmp_path):
+    (tmp_path / "fake_mounter.py").write_text(FAKE_MOUNTER)
+    out = run_fresh("""
+        import interlace
+        with interlace.Tracer():
+            x = [0].save()
+        import fake_mounter
+        fake_mounter.CHAIN = True
+        fake_mounter.mount()           # over ours, deferring to ours outside its traces
+        with interlace.Tracer():       # ours goes on top again, deferring to theirs
+            ours = [1].save()
+        with fake_mounter.trace():
+            theirs = [2].save()
+        try:
+            [3].save()
+        except ValueError as error:
+            print(ours, theirs, "outside a trace" in str(error))
+    """, tmp_path)
+    assert out == "[1] [2] True"

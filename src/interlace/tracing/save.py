@@ -1,28 +1,35 @@
 """`save()`: mark a value, by identity, to be pushed back to the caller when the trace ends.
 
 The state belongs to the TRACE, not to the OS thread or greenlet that happens to run the
-body: it lives in a ContextVar that `Tracer.run_body` sets itself, so a body run by a
-mediator greenlet or a worker thread still saves into its own trace, and traces started from
-different user threads never see each other's saves (each thread has its own context).
+body: it lives in a ContextVar that `Tracer.run_body` sets (through `enter_body`), so a body
+run by a mediator greenlet or a worker thread still saves into its own trace, and traces
+started from different user threads never see each other's saves (each thread has its own
+context).
 
-`.save()` works as a method on every object inside a trace, as in nnsight: a `save`
-descriptor is mounted once, at import, in `object`'s own type dictionary (a static type's
-dict is not writable from Python, hence `gc.get_referents` + `PyType_Modified` to drop the
-stale method caches). A class's own `save` (e.g. PIL's `img.save(path)`) still wins: the MRO
-finds it first. It is deliberately absent on modules and classes (see `ObjectSave`): pybind11
-refuses to define a function named `save` where `getattr(scope, "save")` finds a non-function,
-so a plain function on `object` makes `import torch` fail when torch is imported after
-interlace. And it is taken off while any module is being imported (see
-`_unmount_while_importing`): import-time code that walks `dir()` (torch's `__init__`,
-anyio's `TypedAttributeSet`) would otherwise see it. The footgun that remains, as in nnsight:
-every *instance* has a `save` attribute outside imports, so code that probes
-`hasattr(x, "save")`, or a `__getattr__` that serves a field named `save`, sees ours.
+`.save()` on every object (as in nnsight) is a descriptor in `object`'s own type dict. When
+it is there, and why (docs/save.md has the long version):
+
+* `import interlace` mounts nothing. The first trace body to run mounts it, and it stays.
+* While a module is being imported and no trace body is running, it is taken off: import
+  code that walks `dir()` would see it (torch's `__init__` copies every name of
+  `dir(torch._C._VariableFunctions)` into `torch`; anyio's `TypedAttributeSet` refuses any
+  attribute without an annotation; pybind11 refuses to define a method `save` where
+  `getattr(cls, "save")` finds a non-function). A trace body that runs during an import (a
+  module-level trace in an imported module) puts it back for as long as it runs, and so does
+  one running in another thread: `.save()` never disappears under a running body.
+* It chains, never clobbers: when it finds somebody else's `save` on `object` (nnsight
+  0.8.1 mounts one at import and overwrites ours without chaining), it remembers it, mounts
+  itself on top at the next trace body, and defers to it whenever no interlace trace is
+  running here. Taking ours off puts theirs back.
+
+The footgun that remains, as in nnsight: once mounted, every instance and every class has
+a `save` attribute, so code that probes `hasattr(x, "save")` sees ours. Modules have none
+(pybind11 checks `getattr(module, "save")` before defining a module-level `save`).
 """
 
 from __future__ import annotations
 
 import contextvars
-import ctypes
 import gc
 import sys
 import threading
@@ -74,10 +81,28 @@ def save(value):
     return value
 
 
+# -- `.save()` on every object ------------------------------------------------------------------
+class _Mount:
+    """The mount's process-wide state (guarded by `_LOCK`)."""
+
+    active = False  # mounted once: from then on it stays, except during imports
+    unavailable = False  # this interpreter does not let us write `object`'s dict
+    displaced = None  # the `save` we found on `object` when we last went on (e.g. nnsight's)
+    importing = 0  # imports executing now, all threads
+    running: list = []  # one token per trace body running now, all threads and greenlets
+
+
+_LOCK = threading.RLock()
+_DEFERRING = threading.local()  # a displaced `save` that chains back to ours must not loop
+
+
 def _object_save(self):
     """Mark this object to be kept after the trace (see `interlace.save`); returns it."""
     state = _CURRENT.get()
     if state is None:
+        displaced = _Mount.displaced
+        if displaced is not None and not getattr(_DEFERRING, "on", False):
+            return _defer(displaced, self)
         raise ValueError(
             f".save() was called on a {type(self).__name__} outside a trace: it marks a value inside a "
             f"`with ....trace(...):` block to keep after the block. Outside a trace, use the value directly."
@@ -89,6 +114,20 @@ def _object_save(self):
 _object_save.__name__ = _object_save.__qualname__ = "save"
 
 
+def _defer(displaced, value):
+    """Call the `save` we displaced, bound to `value`, as if ours had never been mounted."""
+    _DEFERRING.on = True
+    try:
+        get = getattr(type(displaced), "__get__", None)
+        if get is None:  # not a descriptor: an attribute found on the instance, used as is
+            return displaced()
+        if value is None:  # `None.save()`: a descriptor cannot bind None, pass it explicitly
+            return get(displaced, None, _NoneType)(None)
+        return get(displaced, value, type(value))()
+    finally:
+        _DEFERRING.on = False
+
+
 def _save_none():
     """`None.save()`."""
     return _object_save(None)
@@ -97,20 +136,26 @@ def _save_none():
 class ObjectSave:
     """The `save` attribute every object gets: `value.save()` binds `_object_save` to `value`.
 
-    A non-data descriptor, so an instance's or a class's own `save` still wins. It is absent
-    (AttributeError) on classes and on modules: binding generators test `hasattr(scope,
-    "save")` before defining a `save` of their own (pybind11 refuses to overload a non-function
-    attribute, so `import torch` after interlace would fail), and `SomeClass.save` probing
-    should keep meaning "this class defines save".
+    A non-data descriptor, so an instance's or a class's own `save` still wins. On a class
+    (`torch.Tensor.save`) it is the plain function, as a method is: `torch.compile` walks
+    `dir(torch.Tensor)` and reads every name. Absent (AttributeError) on modules, and on
+    classes while an import runs: pybind11 refuses to define a `save` where `getattr(scope,
+    "save")` finds a non-function. When it displaced another `save`, a class sees that one.
     """
 
     __slots__ = ()
 
     def __get__(self, instance, owner=None):
         if instance is None:
-            if owner is not _NoneType:  # `SomeClass.save` (`None.save` arrives as (None, NoneType))
+            if owner is _NoneType:  # `None.save` arrives as (None, NoneType): bind by hand
+                return _save_none
+            displaced = _Mount.displaced
+            if displaced is not None:
+                get = getattr(type(displaced), "__get__", None)
+                return displaced if get is None else get(displaced, None, owner)
+            if _Mount.importing:
                 raise AttributeError("save")
-            return _save_none  # a method cannot be bound to None
+            return _object_save
         if isinstance(instance, (type, _ModuleType)):
             raise AttributeError("save")
         return _MethodType(_object_save, instance)
@@ -120,6 +165,7 @@ class ObjectSave:
 
 
 OBJECT_SAVE_DESCRIPTOR = ObjectSave()
+_object_get = object.__dict__.get  # a live view of object's type dict
 
 
 def _object_namespace():
@@ -128,47 +174,99 @@ def _object_namespace():
     return namespace
 
 
-def _set_mounted(mounted: bool) -> None:
+def _type_modified() -> None:
+    """Drop `object`'s stale method caches (ctypes loads here, at the first mount: importing
+    it costs `import interlace` ~2 ms)."""
+    import ctypes
+
+    ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))
+
+
+def _put_on() -> None:
+    """Mount ours on `object`, remembering what was there (under `_LOCK`)."""
+    found = _object_get("save")
+    if found is OBJECT_SAVE_DESCRIPTOR:
+        return
+    _Mount.displaced = found
+    _object_namespace()["save"] = OBJECT_SAVE_DESCRIPTOR
+    _type_modified()  # drop stale method caches
+
+
+def _take_off() -> None:
+    """Put back what ours displaced, if ours is on top (under `_LOCK`)."""
+    if _object_get("save") is not OBJECT_SAVE_DESCRIPTOR:
+        return  # not ours on top (somebody mounted over it): theirs stays
     namespace = _object_namespace()
-    if mounted:
-        namespace["save"] = OBJECT_SAVE_DESCRIPTOR
-    elif namespace.get("save") is OBJECT_SAVE_DESCRIPTOR:
+    if _Mount.displaced is None:
         del namespace["save"]
-    ctypes.pythonapi.PyType_Modified(ctypes.py_object(object))  # drop stale method caches
+    else:
+        namespace["save"] = _Mount.displaced
+    _type_modified()
 
 
-def _mount_on_object() -> bool:
-    """Put `save` in `object`'s type dict, once. Returns whether `.save()` is available."""
-    if object.__dict__.get("save") is OBJECT_SAVE_DESCRIPTOR:
-        return True
-    try:
-        if "save" in _object_namespace():  # somebody else's (e.g. nnsight): leave theirs alone
-            return False
-        _set_mounted(True)
-    except Exception:  # noqa: BLE001 - not CPython, or no ctypes: `save(x)` still works
-        return False
-    _unmount_while_importing()
-    return object.__dict__.get("save") is OBJECT_SAVE_DESCRIPTOR
+def _sync() -> None:
+    """Make `object.save` what it should be now: ours, unless an import runs and no body does."""
+    if not _Mount.active:
+        return
+    if _Mount.importing and not _Mount.running:
+        _take_off()
+    else:
+        _put_on()
 
 
-_IMPORTING = [0]  # how many imports are executing (all threads); `save` is off while > 0
-_IMPORT_LOCK = threading.RLock()
+def mount() -> bool:
+    """Mount `.save()` on every object now (the first trace body does it); whether it is on.
+
+    False when this interpreter does not let us (not CPython, no ctypes): `save(x)` still works.
+    """
+    with _LOCK:
+        if not _Mount.active:
+            if _Mount.unavailable:
+                return False
+            try:
+                _object_namespace()
+            except Exception:  # noqa: BLE001 - not CPython: say so once, not at every trace
+                _Mount.unavailable = True
+                return False
+            _Mount.active = True
+            _guard_imports()
+        _sync()
+    return _object_get("save") is OBJECT_SAVE_DESCRIPTOR
 
 
-def _unmount_while_importing() -> None:
-    """Run every module import with `save` taken off `object`, and put it back afterwards.
+def enter_body(state: TraceState):
+    """Make `state` the current trace here, with `.save()` mounted; a token for `exit_body`.
 
-    Import-time code that enumerates `dir(...)` breaks when every object has a `save`:
-    torch's `__init__` copies every attribute of `dir(torch._C._VariableFunctions)` into the
-    `torch` namespace (it would overwrite `torch.save`), anyio's `TypedAttributeSet` subclasses
-    refuse any attribute without an annotation (`import transformers` imports it). So the
-    outermost import in progress (any thread) unmounts `save` and the last one to finish
-    mounts it again: two `PyType_Modified` calls per top-level import statement, none per
-    trace. It wraps `importlib._bootstrap._load_unlocked`, the one function every import
-    statement and `importlib.import_module` go through to execute a new module. A trace
-    running in another thread while a module is being imported loses `.save()` (not
-    `save(x)`) for that moment; a class created at runtime whose creation walks `dir()`
-    still sees `save`.
+    Per trace: a list append and an identity check (about 0.1 us in all, measured).
+    """
+    token = _set_current(state)
+    _running_append(token)  # (list.append/remove are atomic; tokens are unhashable)
+    # Checked after registering this body: an import starting now sees it (and keeps ours on).
+    if (_Mount.importing or _object_get("save") is not OBJECT_SAVE_DESCRIPTOR) and not _Mount.unavailable:
+        mount()
+    return token
+
+
+def exit_body(token) -> None:
+    """Undo `enter_body` (same context); an import in progress gets `object` back without ours."""
+    _running_remove(token)
+    if _Mount.importing:
+        with _LOCK:
+            _sync()
+    _reset_current(token)
+
+
+_set_current, _reset_current = _CURRENT.set, _CURRENT.reset
+_running_append, _running_remove = _Mount.running.append, _Mount.running.remove
+
+
+def _guard_imports() -> None:
+    """Run module imports with `save` off `object` while no trace body runs (see the module doc).
+
+    Wraps `importlib._bootstrap._load_unlocked`, the one function every import statement and
+    `importlib.import_module` go through to execute a new module: a lock and a dict lookup per
+    import, and a `PyType_Modified` call where the state changes (a top-level import's start
+    and end, when no body runs).
     """
     bootstrap = sys.modules.get("importlib._bootstrap")
     original = getattr(bootstrap, "_load_unlocked", None)
@@ -176,21 +274,16 @@ def _unmount_while_importing() -> None:
         return
 
     def _load_unlocked(spec):
-        with _IMPORT_LOCK:
-            _IMPORTING[0] += 1
-            if _IMPORTING[0] == 1:
-                _set_mounted(False)
+        with _LOCK:
+            _Mount.importing += 1
+            _sync()
         try:
             return original(spec)
         finally:
-            with _IMPORT_LOCK:
-                _IMPORTING[0] -= 1
-                if _IMPORTING[0] == 0:
-                    _set_mounted(True)
+            with _LOCK:
+                _Mount.importing -= 1
+                _sync()
 
     _load_unlocked._interlace_wrapped = True
     _load_unlocked.__wrapped__ = original
     bootstrap._load_unlocked = _load_unlocked
-
-
-OBJECT_SAVE = _mount_on_object()
