@@ -64,14 +64,17 @@ def _worker_loop():
     the arguments of a greenlet's *first* switch alive for as long as the greenlet lives
     (they are the call of its run function), and a pooled greenlet lives as long as its
     thread. A job passed there would keep its mediator, body, tracer and model alive.
-    Between jobs the loop holds nothing but the outcome code.
+    Between jobs the loop holds nothing but the outcome code - not even itself: a local
+    naming the greenlet would be a cycle (greenlet -> its frame -> greenlet) that the
+    collector cannot break while the greenlet is suspended, so a worker dropped from a full
+    pool (a trace with more invokes than the pool keeps) would never be freed. Without it,
+    dropping the last reference kills the worker (greenlet raises GreenletExit in it).
     """
-    me = getcurrent()
-    job = me.parent.switch()
+    job = getcurrent().parent.switch()
     while True:
         outcome = job()
         job = None
-        job = me.parent.switch(outcome)
+        job = getcurrent().parent.switch(outcome)
 
 
 def _new_worker():
