@@ -1,0 +1,943 @@
+"""`.source`: the calls and assignments inside a module's `forward`, as locations of a trace.
+
+`model.transformer.h[0].attn.source` names every operation the forward performs, the way
+nnsight 0.8.1 names them, and each one has `.output`, `.input`, `.inputs`, `.skip()` and a
+nested `.source`, like a module:
+
+- a call `f(...)` is named after the dotted path of `f`: `self.c_fc(x)` -> `self_c_fc`,
+  `torch.nn.functional.softmax(x)` -> `torch_nn_functional_softmax`, `x[0].view(...)` ->
+  `x_view` (a subscript says where, not what), `self.c_attn(x).split(...)` -> `split` (a
+  call on a call's result keeps the attributes after it), nothing to name -> `call`;
+- an assignment with one target is named after the target (`attn_output = ...` ->
+  `attn_output`, `cache.is_updated[i] = ...` -> `cache_is_updated`; `a, b = e1, e2` element
+  by element; other unpacking is not an operation); its `.output` is the value assigned;
+- `_0`, `_1`, ... number the operations of one name in the order they run: arguments before
+  the call they are passed to, the value before the assignment.
+
+Mechanism: the forward's source is read through the tracer core (`tracing.source`: files,
+notebook cells, `python -c`), parsed, and each operation is routed through a hook:
+`f(a, k=b)` becomes `HOOK.op(site, self, f, a, k=b)` and `x = v` becomes
+`x = HOOK.bind(site, self, v)`. The rewritten function is compiled under the original
+filename at the original lines and columns (tracebacks, coverage and pdb show the user's
+code), inside a shell that recreates its closure cells and its class (private-name mangling,
+zero-argument `super()`). `HOOK` is a constant of the code object: globals are not touched.
+
+Policy, where the rewritten code runs:
+- A module's forward is rewritten *in place*, only while a trace uses it: its function's
+  `__code__` is swapped when a body first uses the module's `.source` in a run, and put back
+  when the run ends. In place, because torch fetches `module.forward` before the module's
+  pre-hooks run: a body that reads `attn.input` and then `attn.source...` is served inside
+  attn's pre-hook, where a new `attn.forward` would come too late, while the function torch
+  already holds runs whatever code it has when called. Decorators (transformers'
+  `deprecate_kwarg`, the checkpointing wrapper) are peeled: the innermost function is rewritten
+  and its wrappers keep calling it. The hook finds the traced module by the forward's first
+  argument, so other instances of the class, and other threads, run straight through. After
+  the run the original code object is back: raw speed, and coverage/pdb see what they saw
+  before. A forward assigned on the instance as a plain function is replaced on the instance
+  for the run instead.
+- A nested `.source` (inside the function an operation calls) is known only when the call
+  runs: the body waits for the operation's input, then the operation calls a rewritten *copy*
+  of the callee (same globals, closure and defaults; decorators rebuilt around it) for the
+  rest of the run.
+
+Each operation is a location with input and output keys in the interleaver
+(`Interleaver.add_locations`), so reads, edits, `tracer.iter`, `OutOfOrderError` and
+invoke rows work as for modules. An operation whose module (or call) already ran in this run
+before its `.source` was first used is numbered as if it had run once per earlier call (so in
+generation, occurrence n is step n); touch `envoy.source` at the top of the body for exact
+counts of operations that run a varying number of times per call.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import inspect
+import textwrap
+import threading
+import types
+
+import torch
+from greenlet import getcurrent
+
+from ..errors import InterlaceError, SourceNotAvailable
+from ..tracing import source as _sources
+from .batching import swap
+
+HOOK = "__interlace_source_hook__"
+"""The constant every rewritten operation calls `.op`/`.bind` on; replaced by a hook object."""
+
+_SHELL = "__interlace_shell__"
+_FUTURE_FLAGS = 0
+for _name in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
+_SHAPE_FLAGS = (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GENERATOR
+                | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR)
+_FUNCTION_FIELDS = ast.FunctionDef._fields
+_get_ident = threading.get_ident
+_COPY_OF = "__interlace_copy_of__"  # on a rewritten copy installed on an instance: the original
+
+
+class _Assign:
+    """The callee recorded for an assignment: it calls nothing."""
+
+    def __repr__(self):
+        return "<assignment>"
+
+
+_ASSIGN = _Assign()
+
+
+# -- rewriting ---------------------------------------------------------------------------------
+
+
+def _dotted(expr):
+    """`(parts, rooted)`: `self.a.b` -> (['self', 'a', 'b'], True); `f().view` -> (['view'], False)."""
+    parts = []
+    while True:
+        if isinstance(expr, ast.Attribute):
+            parts.append(expr.attr)
+            expr = expr.value
+        elif isinstance(expr, ast.Subscript):
+            expr = expr.value
+        elif isinstance(expr, ast.Name):
+            parts.append(expr.id)
+            return parts[::-1], True
+        else:
+            return parts[::-1], False
+
+
+def _at(node, new):
+    return ast.copy_location(new, node)
+
+
+class _Rewrite(ast.NodeTransformer):
+    """Route every call and single-target assignment through the hook, naming each one.
+
+    Children are visited before their parent, so names are numbered in execution order.
+    """
+
+    def __init__(self, receiver, line_offset):
+        self.receiver = receiver  # the first parameter's name, passed to the hook, or None
+        self.line_offset = line_offset
+        self.counts = {}
+        self.names = []
+        self.lines = {}  # name -> line within the function's source (1 = its first line)
+
+    def _route(self, name, method, args, keywords, node):
+        n = self.counts.get(name, 0)
+        self.counts[name] = n + 1
+        label = f"{name}_{n}"
+        site = len(self.names)
+        self.names.append(label)
+        self.lines[label] = node.lineno - self.line_offset
+        if self.receiver is None:
+            receiver = _at(node, ast.Constant(value=None))
+        else:
+            receiver = _at(node, ast.Name(id=self.receiver, ctx=ast.Load()))
+        hook = _at(node, ast.Attribute(value=_at(node, ast.Constant(value=HOOK)), attr=method,
+                                       ctx=ast.Load()))
+        return _at(node, ast.Call(func=hook, args=[_at(node, ast.Constant(value=site)),
+                                                   receiver, *args], keywords=keywords))
+
+    def visit_Call(self, node):
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "super" and not node.args and not node.keywords:
+            return node  # zero-argument super() reads its caller's frame: it stays a direct call
+        self.generic_visit(node)
+        parts, _ = _dotted(node.func)
+        return self._route("_".join(parts) or "call", "op", [node.func, *node.args],
+                           node.keywords, node)
+
+    def visit_Assign(self, node):
+        node.value = self.visit(node.value)  # the value runs before the targets
+        node.targets = [self.visit(target) for target in node.targets]
+        if len(node.targets) == 1:  # `a = b = v` binds one value twice: not an operation
+            node.value = self._assigned(node.targets[0], node.value, node)
+        return node
+
+    def visit_AnnAssign(self, node):
+        if node.value is not None:  # an annotation alone assigns nothing
+            node.value = self._assigned(node.target, self.visit(node.value), node)
+        return node
+
+    def _assigned(self, target, value, node):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            pairs = isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts)
+            if pairs and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts)):
+                value.elts = [self._assigned(t, v, node) for t, v in zip(target.elts, value.elts)]
+            return value
+        parts, rooted = _dotted(target)
+        if not rooted:
+            return value
+        return self._route("_".join(parts), "bind", [value], [], node)
+
+
+class _NoSource(Exception):
+    """Why a function cannot be rewritten (turned into SourceNotAvailable by the caller)."""
+
+
+class Compiled:
+    """A function's rewritten code (hook still a placeholder), its operations and its text."""
+
+    def __init__(self, original, code, names, lines, text, receiver):
+        self.original = original  # the code object it was rewritten from (the cache key)
+        self.code = code
+        self.names = tuple(names)
+        self.sites = {name: i for i, name in enumerate(names)}
+        self.lines = lines
+        self.text = text  # the function's source, dedented, decorators included
+        self.receiver = receiver  # name of its first parameter, or None
+        self._shared = None  # (hook, code) for the in-place swap, made once
+
+    def bind(self, hook):
+        """The rewritten code with `hook` in place of the placeholder (nested code too)."""
+        return _replace_hook(self.code, hook)
+
+    def shared(self):
+        """The hook and code installed in place: one per function, keyed by receiver."""
+        shared = self._shared
+        if shared is None:
+            with _LOCK:
+                if self._shared is None:
+                    hook = _SharedHook()
+                    self._shared = (hook, self.bind(hook))
+                shared = self._shared
+        return shared
+
+    def function(self, like, hook):
+        """A copy of function `like` running the rewritten code with `hook`."""
+        return _function_like(like, self.bind(hook), like.__closure__)
+
+
+def _replace_hook(code, hook):
+    consts = tuple(
+        hook if type(c) is str and c == HOOK
+        else _replace_hook(c, hook) if type(c) is types.CodeType
+        else c
+        for c in code.co_consts
+    )
+    return code.replace(co_consts=consts)
+
+
+def _rename(code, old, new):
+    """Qualified names as the original has them (the shell's prefix is an artefact)."""
+    consts = tuple(_rename(c, old, new) if type(c) is types.CodeType else c
+                   for c in code.co_consts)
+    changes = {"co_consts": consts}
+    if hasattr(code, "co_qualname") and code.co_qualname.startswith(old):
+        changes["co_qualname"] = new + code.co_qualname[len(old):]
+    return code.replace(**changes)
+
+
+def _class_of(function):
+    """The name of the class whose body defined `function` (its name mangling), or None."""
+    parts = function.__qualname__.split(".")
+    if len(parts) >= 2 and parts[-2] != "<locals>":
+        return parts[-2]
+    return None
+
+
+def _function_tree(function, code):
+    """(FunctionDef node, text, wrapped): the function's source parsed at its own lines/columns.
+
+    An indented def is parsed under `if 1:`, which keeps its columns (a docstring line at
+    column 0 would defeat dedenting); `wrapped` says the lines are off by that one line.
+    """
+    lines = _sources.lines(code.co_filename, function.__globals__)
+    if not lines:
+        raise _NoSource(
+            f"its source cannot be read ({code.co_filename} is not a file or notebook cell "
+            f"interlace can read: code compiled from a string, typed at a prompt, or a file "
+            f"that is gone)"
+        )
+    start = code.co_firstlineno - 1
+    try:
+        block = inspect.getblock(list(lines[start:]))
+        text = "".join(block)
+        wrapped = block[0][:1] in (" ", "\t")
+        tree = ast.parse(("if 1:\n" if wrapped else "") + text)
+        node = tree.body[0].body[0] if wrapped else tree.body[0]
+    except (SyntaxError, IndexError, AttributeError, ValueError, TypeError):
+        node, text, wrapped = None, "", False
+    if not isinstance(node, ast.FunctionDef) or node.name != code.co_name:
+        raise _NoSource(
+            f"{code.co_filename}:{code.co_firstlineno} does not hold `def {code.co_name}` "
+            f"(a lambda, an async def, or a file edited since it was imported)"
+        )
+    return node, text, wrapped
+
+
+def _compile(function, code):
+    node, text, wrapped = _function_tree(function, code)
+    params = node.args.posonlyargs + node.args.args
+    receiver = params[0].arg if params else None
+    decorators, node.decorator_list = node.decorator_list, []
+    rewrite = _Rewrite(receiver, 1 if wrapped else 0)
+    node = rewrite.visit(node)
+    # Decorators are compiled back but never run (only the def's code object is kept): with
+    # them the code's first line is the first decorator's, as in the original.
+    node.decorator_list = decorators
+    ast.increment_lineno(node, code.co_firstlineno - (2 if wrapped else 1))
+
+    freevars = code.co_freevars
+    class_name = _class_of(function)
+    loc = dict(lineno=node.lineno, col_offset=0, end_lineno=node.lineno, end_col_offset=0)
+    if class_name is not None:
+        params = [name for name in freevars if name != "__class__"]
+        body = []
+        if class_name not in params:  # the class's name must stay a global inside the def
+            body.append(ast.Global(names=[class_name], **loc))
+        fields = dict(name=class_name, bases=[], keywords=[], body=[node], decorator_list=[])
+        if "type_params" in _FUNCTION_FIELDS:
+            fields["type_params"] = []
+        body.append(ast.ClassDef(**fields, **loc))
+    else:
+        params, body = list(freevars), [node]
+    arguments = ast.arguments(posonlyargs=[], args=[ast.arg(arg=n, **loc) for n in params],
+                              vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[])
+    fields = dict(name=_SHELL, args=arguments, body=body, decorator_list=[], returns=None)
+    if "type_params" in _FUNCTION_FIELDS:
+        fields["type_params"] = []
+    module = ast.Module(body=[ast.FunctionDef(**fields, **loc)], type_ignores=[])
+    ast.fix_missing_locations(module)
+    try:
+        top = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS,
+                      dont_inherit=True)
+    except SyntaxError as error:  # pragma: no cover - the original compiled, so should this
+        raise _NoSource(f"its rewritten source does not compile ({error})") from None
+    new = _child(_child(top, _SHELL), class_name) if class_name else _child(top, _SHELL)
+    new = _child(new, code.co_name)
+    nargs = code.co_argcount + code.co_kwonlyargcount
+    same = (
+        new is not None
+        and new.co_freevars == freevars
+        and new.co_argcount == code.co_argcount
+        and new.co_posonlyargcount == code.co_posonlyargcount
+        and new.co_kwonlyargcount == code.co_kwonlyargcount
+        and new.co_varnames[:nargs] == code.co_varnames[:nargs]
+        and new.co_flags & _SHAPE_FLAGS == code.co_flags & _SHAPE_FLAGS
+    )
+    if not same:
+        raise _NoSource(
+            f"{code.co_filename}:{code.co_firstlineno} no longer matches the loaded "
+            f"{code.co_name} (edited since it was imported?); restart the process"
+        )
+    if hasattr(new, "co_qualname"):
+        new = _rename(new, new.co_qualname, code.co_qualname)
+    return Compiled(code, new, rewrite.names, rewrite.lines, textwrap.dedent(text), receiver)
+
+
+def _child(code, name):
+    if code is None:
+        return None
+    for const in code.co_consts:
+        if type(const) is types.CodeType and const.co_name == name:
+            return const
+    return None
+
+
+_LOCK = threading.Lock()
+_CACHE = {}  # original code object -> Compiled
+_SWAPPED = {}  # function -> [users, its own code]: functions running rewritten code right now
+
+
+def compiled_for(function, what):
+    """The rewritten form of `function`, cached per code object; SourceNotAvailable if none."""
+    entry = _SWAPPED.get(function)
+    code = entry[1] if entry is not None else function.__code__
+    found = _CACHE.get(code)
+    if found is None:
+        try:
+            found = _compile(function, code)
+        except _NoSource as why:
+            raise SourceNotAvailable(
+                f"{what}: .source cannot rewrite {function.__qualname__}: {why}. .source works "
+                f"on functions written in Python in a file or notebook cell"
+            ) from None
+        found = _CACHE.setdefault(code, found)
+    return found
+
+
+def _swap_in(function, code):
+    with _LOCK:
+        entry = _SWAPPED.get(function)
+        if entry is None:
+            _SWAPPED[function] = [1, function.__code__]
+            function.__code__ = code
+        else:
+            entry[0] += 1
+
+
+def _swap_out(function):
+    with _LOCK:
+        entry = _SWAPPED[function]
+        entry[0] -= 1
+        if not entry[0]:
+            function.__code__ = entry[1]
+            del _SWAPPED[function]
+
+
+# -- decorators -------------------------------------------------------------------------------
+
+
+_CALLED = {}  # code object -> names it calls directly
+
+
+def _called_names(function):
+    """Names the function calls directly (`f(...)`), from its source; empty when unreadable."""
+    code = function.__code__
+    called = _CALLED.get(code)
+    if called is None:
+        try:
+            node, _, _ = _function_tree(function, code)
+        except _NoSource:
+            called = frozenset()
+        else:
+            called = frozenset(n.func.id for n in ast.walk(node)
+                               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
+        called = _CALLED.setdefault(code, called)
+    return called
+
+
+def _peel(function):
+    """(innermost, chain): follow decorator wrappers down to the function they wrap.
+
+    A wrapper is peeled when it says what it wraps (`__wrapped__`, set by `functools.wraps`),
+    holds that function in a closure cell and calls it by that name. `chain` lists
+    `(wrapper, cell index)` from the outside in. A forward that merely closes over a helper it
+    calls is not a wrapper (no `__wrapped__`), and a wrapper that hands its function to
+    something else instead of calling it (a dispatcher) is not peeled: it is the code that
+    runs, so it is the one rewritten.
+    """
+    chain = []
+    seen = {function}
+    while function.__closure__:
+        wrapped = getattr(function, "__wrapped__", None)
+        if not isinstance(wrapped, types.FunctionType) or wrapped in seen:
+            break
+        called = _called_names(function)
+        index = None
+        for i, (name, cell) in enumerate(zip(function.__code__.co_freevars, function.__closure__)):
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inner is wrapped and name in called:
+                index = i
+                break
+        if index is None:
+            break
+        chain.append((function, index))
+        function = wrapped
+        seen.add(function)
+    return function, chain
+
+
+def _function_like(like, code, closure):
+    new = types.FunctionType(code, like.__globals__, like.__name__, like.__defaults__, closure)
+    new.__kwdefaults__ = like.__kwdefaults__
+    new.__qualname__ = like.__qualname__
+    new.__dict__.update(like.__dict__)
+    return new
+
+
+def _rebuild(chain, inner):
+    """The wrappers of `chain` rebuilt around `inner` (new cells: the originals are shared)."""
+    for wrapper, index in reversed(chain):
+        cells = list(wrapper.__closure__)
+        cells[index] = types.CellType(inner)
+        inner = _function_like(wrapper, wrapper.__code__, tuple(cells))
+    return inner
+
+
+# -- the hooks the rewritten code calls (model side) --------------------------------------------
+
+
+class _SharedHook:
+    """The hook of a forward rewritten in place: finds the traced instance by its receiver."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self):
+        self.runs = {}  # id(receiver) -> _Run, only while a run uses it
+
+    def op(self, site, receiver, fn, /, *args, **kwargs):
+        run = self.runs.get(id(receiver))
+        if run is None or run.receiver is not receiver:
+            return fn(*args, **kwargs)
+        return run.call(site, fn, args, kwargs)
+
+    def bind(self, site, receiver, value, /):
+        run = self.runs.get(id(receiver))
+        if run is None or run.receiver is not receiver:
+            return value
+        return run.call(site, _ASSIGN, (value,), {})
+
+
+class _RunHook:
+    """The hook of a rewritten copy made for one run (a drilled-into call)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run):
+        self.run = run
+
+    def op(self, site, receiver, fn, /, *args, **kwargs):
+        run = self.run
+        if run is None:
+            return fn(*args, **kwargs)
+        return run.call(site, fn, args, kwargs)
+
+    def bind(self, site, receiver, value, /):
+        run = self.run
+        if run is None:
+            return value
+        return run.call(site, _ASSIGN, (value,), {})
+
+
+class _Drill:
+    """A call an operation makes, replaced for the run by a rewritten copy of its function."""
+
+    __slots__ = ("function", "owner", "copy", "run")
+
+    def __init__(self, function, owner, copy, run):
+        self.function = function  # what the operation called (a bound method's function)
+        self.owner = owner  # the bound instance, or None for a plain function
+        self.copy = copy
+        self.run = run
+
+    def replace(self, fn):
+        owner = self.owner
+        if owner is None:
+            return self.copy if fn is self.function else fn
+        if fn is owner or (getattr(fn, "__func__", None) is self.function
+                           and getattr(fn, "__self__", None) is owner):
+            return types.MethodType(self.copy, owner)
+        return fn
+
+
+class _Run:
+    """One forward's (or one drilled-into call's) operations in one running trace."""
+
+    __slots__ = ("interleaver", "base", "compiled", "receiver", "prefix", "drills", "skips",
+                 "callee")
+
+    def __init__(self, interleaver, base, compiled, receiver, prefix):
+        self.interleaver = interleaver
+        self.base = base  # key of operation i's input: base + 2 * i; its output: + 1
+        self.compiled = compiled
+        self.receiver = receiver
+        self.prefix = prefix
+        self.drills = {}  # site -> _Drill
+        self.skips = {}  # site -> [(rows, value)] for its next run
+        self.callee = None  # what the operation being handed over calls (for drilling)
+
+    def call(self, site, fn, args, kwargs):
+        """Run operation `site` (`fn(*args, **kwargs)`, or an assignment) with handoffs."""
+        il = self.interleaver
+        if il.current is not None or il.bypass or il.hub is None or _get_ident() != il.thread:
+            return args[0] if fn is _ASSIGN else fn(*args, **kwargs)
+        key = self.base + 2 * site
+        self.callee = fn
+        args, kwargs = il.handoff(key, (args, kwargs))
+        pending = self.skips.pop(site, None) if self.skips else None
+        if pending is not None and all(rows is None for rows, _ in pending):
+            value = pending[-1][1]  # skipped: the call does not run
+        else:
+            if fn is _ASSIGN:
+                value = args[0]
+            else:
+                if self.drills:
+                    drill = self.drills.get(site)
+                    if drill is not None:
+                        fn = drill.replace(fn)
+                value = fn(*args, **kwargs)
+            if pending is not None:  # skipped for some invokes' rows only
+                for rows, new in pending:
+                    value = new if rows is None else swap(value, new, rows, il.total)
+        return il.handoff(key + 1, value)
+
+    def close(self):
+        self.drills = {}
+        self.skips = {}
+        self.callee = None
+
+
+# -- installing, per run ------------------------------------------------------------------------
+
+
+def _forward_of(module, what):
+    """(function that runs as `module`'s forward, the receiver it gets, or None for none)."""
+    forward = module.__dict__.get("forward")
+    if forward is not None and "_hf_hook" in module.__dict__:
+        # accelerate's alignment wrapper: the real forward is kept as `_old_forward`
+        forward = module.__dict__.get("_old_forward", forward)
+    if forward is None:
+        function, receiver = type(module).forward, module
+    elif isinstance(forward, types.MethodType):
+        function, receiver = forward.__func__, forward.__self__
+    else:
+        function, receiver = forward, None
+    # a copy this module runs for a trace in progress stands for the function it copies
+    function = getattr(function, _COPY_OF, function)
+    if not isinstance(function, types.FunctionType):
+        raise SourceNotAvailable(
+            f"{what}: .source needs a forward written in Python, and this forward is "
+            f"{type(function).__name__} {function!r} (a builtin, C or compiled function)"
+        )
+    return function, receiver
+
+
+def module_source(envoy):
+    """`envoy.source`: the forward's operations. Inside a running body it is installed now,
+    so that operations are counted from before the module first runs."""
+    module = envoy._module
+    what = f"{envoy._path} ({type(module).__name__})"
+    function, _ = _forward_of(module, what)
+    inner, _ = _peel(function)
+    compiled = compiled_for(inner, what)
+    interleaver = envoy._active()
+    if (interleaver is not None and interleaver.current is not None
+            and interleaver.current.worker is getcurrent()):
+        _module_run(interleaver, envoy, compiled)
+    return Source(envoy, compiled, f"{envoy._path}.source")
+
+
+def _names(prefix, compiled):
+    return [f"{prefix}.{name}.{part}" for name in compiled.names for part in ("input", "output")]
+
+
+def _align(hub, base, count, before):
+    """Number added locations as if they had run once per earlier call (see module doc)."""
+    if before > 0:
+        for key in range(base, base + count):
+            hub.counts[key] = before
+
+
+def _module_run(il, envoy, compiled):
+    """The module's operations in run `il`, installing the rewritten forward on first use."""
+    runs = il.extensions.setdefault("source", {})
+    index = envoy._index
+    owner = ("forward", index, compiled.original)
+    run = runs.get(owner)
+    if run is not None:
+        return run
+    prefix = f"{envoy._path}.source"
+    mediator = il.mediator(prefix)
+    module = envoy._module
+    what = f"{envoy._path} ({type(module).__name__})"
+    function, receiver = _forward_of(module, what)
+    inner, chain = _peel(function)
+    if compiled_for(inner, what) is not compiled:
+        raise InterlaceError(
+            f"{what}: its forward was replaced after this .source was read; read "
+            f"{envoy._path}.source again"
+        )
+    if receiver is not None and compiled.receiver is None:
+        raise SourceNotAvailable(
+            f"{what}: .source needs a forward whose first parameter is the module (`self`); "
+            f"{inner.__qualname__} takes none"
+        )
+    names = _names(prefix, compiled)
+    key = 2 * index
+    base = il.add_locations(owner, names, within=key)
+    run = _Run(il, base, compiled, receiver, prefix)
+    hub = il.hub
+    before = hub.so_far(key)
+    event = mediator.event
+    if before and event is not None and event.key == key and event.occ == before - 1:
+        before -= 1  # served inside its pre-hook: this call's forward has not started yet
+    _align(hub, base, len(names), before)
+
+    if receiver is not None:
+        hook, code = compiled.shared()
+        _swap_in(inner, code)
+        hook.runs[id(receiver)] = run
+
+        def undo():
+            if hook.runs.get(id(receiver)) is run:
+                del hook.runs[id(receiver)]
+            _swap_out(inner)
+            run.close()
+    else:  # a plain function set on the instance: replace it there for the run
+        hook = _RunHook(run)
+        copy = _rebuild(chain, compiled.function(inner, hook))
+        setattr(copy, _COPY_OF, function)
+        previous = module.__dict__["forward"]
+        module.__dict__["forward"] = copy
+
+        def undo():
+            if module.__dict__.get("forward") is copy:
+                module.__dict__["forward"] = previous
+            hook.run = None
+            run.close()
+
+    il.cleanups.append(undo)
+    runs[owner] = run
+    return run
+
+
+def _callee_of(fn, op, state):
+    """(function, bound owner or None) that operation `op` calls; SourceNotAvailable if none."""
+    if fn is _ASSIGN:
+        raise SourceNotAvailable(
+            f"{op.path} is an assignment, not a call: there is no function to look into "
+            f"(its .output is the value assigned)"
+        )
+    if isinstance(fn, torch.nn.Module):
+        index = state.index.get(id(fn))
+        use = f"{state.paths[index]}.source" if index is not None else "that submodule's .source"
+        raise SourceNotAvailable(
+            f"{op.path} calls a submodule ({type(fn).__name__}): use {use} to see inside it"
+        )
+    if isinstance(fn, types.MethodType) and isinstance(fn.__func__, types.FunctionType):
+        return fn.__func__, fn.__self__
+    if isinstance(fn, types.FunctionType):
+        return fn, None
+    call = getattr(type(fn), "__call__", None)
+    if isinstance(call, types.FunctionType) and not isinstance(fn, type):
+        return call, fn
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    raise SourceNotAvailable(
+        f"{op.path} calls {name}, which is not written in Python (a builtin, a C function or "
+        f"a class): there is no source to look into"
+    )
+
+
+# -- what a body sees ---------------------------------------------------------------------------
+
+
+class Source:
+    """A forward's operations by name: `envoy.source.<name>` is a `SourceEnvoy`.
+
+    `print(envoy.source)` shows the source with each operation's name at its line;
+    iterating yields the operations in the order they run.
+    """
+
+    __slots__ = ("_envoy", "_compiled", "_prefix", "_parent")
+
+    def __init__(self, envoy, compiled, prefix, parent=None):
+        self._envoy = envoy
+        self._compiled = compiled
+        self._prefix = prefix
+        self._parent = parent  # the SourceEnvoy whose call this is the inside of, or None
+
+    @property
+    def names(self):
+        """The operations' names, in the order they run."""
+        return self._compiled.names
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        site = self._compiled.sites.get(name)
+        if site is None:
+            import difflib  # only on this error path
+
+            names = self._compiled.names
+            close = difflib.get_close_matches(name, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise AttributeError(
+                f"{self._prefix} has no operation {name!r}{hint} Its operations: "
+                f"{', '.join(names) or '(none)'} (print({self._prefix}) shows each at its line)"
+            )
+        return SourceEnvoy(self, name, site)
+
+    def __iter__(self):
+        for site, name in enumerate(self._compiled.names):
+            yield SourceEnvoy(self, name, site)
+
+    def __dir__(self):
+        return sorted(set(object.__dir__(self)) | set(self._compiled.names))
+
+    def __repr__(self):
+        return _listing(self._compiled)
+
+    def _run(self, il):
+        if self._parent is None:
+            return _module_run(il, self._envoy, self._compiled)
+        run = self._parent._drill(il).run
+        if run.compiled is not self._compiled:
+            raise InterlaceError(
+                f"{self._prefix}: the call now runs a different function "
+                f"({run.compiled.original.co_name}); read {self._prefix} again"
+            )
+        return run
+
+
+class SourceEnvoy:
+    """One operation inside a forward: `.output`, `.input`, `.inputs`, `.skip()`, `.source`."""
+
+    __slots__ = ("_owner", "_site", "name", "path")
+
+    def __init__(self, owner, name, site):
+        self._owner = owner
+        self._site = site
+        self.name = name
+        self.path = f"{owner._prefix}.{name}"
+
+    def _locate(self, what):
+        """(interleaver, run) of the running trace, or the Envoy's error outside one."""
+        envoy = self._owner._envoy
+        il = envoy._interleaver(f"{self.path[len(envoy._path) + 1:]}.{what}")
+        return il, self._owner._run(il)
+
+    @property
+    def output(self):
+        """The operation's return value (an assignment's: the value assigned)."""
+        il, run = self._locate("output")
+        return il.read(run.base + 2 * self._site + 1)
+
+    @output.setter
+    def output(self, value):
+        il, run = self._locate("output")
+        il.write(run.base + 2 * self._site + 1, value)
+
+    @property
+    def inputs(self):
+        """`(args, kwargs)` the operation is called with (an assignment: `((value,), {})`)."""
+        il, run = self._locate("inputs")
+        args, kwargs = il.read(run.base + 2 * self._site)
+        return args, kwargs
+
+    @inputs.setter
+    def inputs(self, value):
+        try:
+            args, kwargs = value
+            args, kwargs = tuple(args), dict(kwargs)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{self.path}.inputs must be assigned a pair (args, kwargs), got "
+                f"{type(value).__name__}"
+            ) from None
+        il, run = self._locate("inputs")
+        il.write(run.base + 2 * self._site, (args, kwargs))
+
+    @property
+    def input(self):
+        """The first positional argument, else the first keyword argument."""
+        il, run = self._locate("input")
+        args, kwargs = il.read(run.base + 2 * self._site)
+        if args:
+            return args[0]
+        if kwargs:
+            return next(iter(kwargs.values()))
+        raise InterlaceError(f"{self.path} was called without arguments: it has no .input")
+
+    @input.setter
+    def input(self, value):
+        il, run = self._locate("input")
+        key = run.base + 2 * self._site
+        args, kwargs = il.read(key)
+        if args:
+            args = (value, *args[1:])
+        elif kwargs:
+            kwargs = dict(kwargs)
+            kwargs[next(iter(kwargs))] = value
+        else:
+            raise InterlaceError(f"{self.path} was called without arguments: it has no .input")
+        il.write(key, (args, kwargs))
+
+    def skip(self, value):
+        """The operation does not run at the bound occurrence; `value` is its output."""
+        il, run = self._locate("skip()")
+        mediator = il.mediator(f"{self.path}.skip()")
+        il.request(run.base + 2 * self._site, mediator)
+        run.skips.setdefault(self._site, []).append((mediator.rows, value))
+        il.skipped = True  # a skipped call may skip modules: do not learn this run's order
+
+    @property
+    def source(self):
+        """The operations inside the function this operation calls (inside a trace only)."""
+        envoy = self._owner._envoy
+        il = envoy._active()
+        if il is None or il.current is None:
+            raise SourceNotAvailable(
+                f"{self.path}.source is only available inside a trace: which function a call "
+                f"runs is known when it runs; use it inside `with model.trace(...)`"
+            )
+        drill = self._drill(il)
+        return Source(envoy, drill.run.compiled, f"{self.path}.source", parent=self)
+
+    def _drill(self, il):
+        """This operation's callee, rewritten for the run (waits for the call to start)."""
+        run = self._owner._run(il)
+        site = self._site
+        drill = run.drills.get(site)
+        if drill is not None:
+            return drill
+        mediator = il.mediator(f"{self.path}.source")
+        key = run.base + 2 * site
+        event = il.request(key, mediator)
+        drill = run.drills.get(site)  # another invoke's body may have drilled meanwhile
+        if drill is not None:
+            return drill
+        function, owner = _callee_of(run.callee, self, il.state)
+        inner, chain = _peel(function)
+        compiled = compiled_for(inner, self.path)
+        prefix = f"{self.path}.source"
+        names = _names(prefix, compiled)
+        base = il.add_locations((key, compiled.original), names)
+        nested = _Run(il, base, compiled, None, prefix)
+        _align(il.hub, base, len(names), event.occ)
+        hook = _RunHook(nested)
+        drill = _Drill(function, owner, _rebuild(chain, compiled.function(inner, hook)), nested)
+        run.drills[site] = drill
+
+        def undo():
+            hook.run = None
+            nested.close()
+
+        il.cleanups.append(undo)
+        return drill
+
+    def __repr__(self):
+        return _window(self.path, self._owner._compiled, self.name)
+
+
+# -- printing -----------------------------------------------------------------------------------
+
+
+def _listing(compiled):
+    """The function's source with each operation's name at its line (nnsight's layout).
+
+    The first line (a decorator, or the def) is marked `*`; the lines after it are numbered
+    from 0; operations sharing a line continue on `+` lines below it.
+    """
+    names = compiled.names
+    width = max((len(n) for n in names), default=0)
+    lines = compiled.text.split("\n")
+    by_line = {}
+    for name in names:
+        by_line.setdefault(compiled.lines[name] - 2, []).append(name)
+    out = [" " * (width + 6) + "* " + lines[0]]
+    for i, line in enumerate(lines[1:]):
+        here = by_line.get(i)
+        if not here:
+            out.append(" " * (width + 4) + f"{i:3d} {line}")
+            continue
+        out.append(f" {here[0]:{width}} ->{i:3d} {line}")
+        indent = line[: len(line) - len(line.lstrip())]
+        for name in here[1:]:
+            out.append(f" {name:{width}} ->  + {indent}...")
+    return "\n".join(out)
+
+
+def _window(path, compiled, name):
+    """A few lines around one operation, its line marked `--> ... <--` (nnsight's layout)."""
+    lines = compiled.text.split("\n")
+    at = compiled.lines[name] - 2
+    start = max(0, at - 5)
+    end = min(len(lines) - 1, at + 8)
+    out = [path + ":\n"]
+    if start != 0:
+        out.append("    ....")
+    for i in range(start, end):
+        if i == at + 1:
+            out.append(f"    --> {lines[i][4:]} <--")
+        else:
+            out.append("    " + lines[i])
+    if end != len(lines) - 1:
+        out.append("    ....")
+    return "\n".join(out)
