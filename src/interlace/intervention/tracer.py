@@ -20,6 +20,7 @@ from .iteration import IterMixin
 from .mediator import ENDED_EARLY
 
 _NOT_YET = object()
+_CPU = "cpu"  # tracer.cache's default device (a string: importing torch here is not needed)
 _BUILTINS = builtins.__dict__
 
 
@@ -48,6 +49,23 @@ class InterleavingTracer(IterMixin, Tracer):
                 "its own `with model.trace() as tracer:` block"
             )
         return Invoker(self, args, kwargs)
+
+    def cache(self, modules=None, device=_CPU, dtype=None, detach=True, include_output=True,
+              include_inputs=False, non_blocking=False):
+        """Record every module's output (or `modules=`: Envoys or paths), as the model passes
+        it on after this trace's edits; returns a saved mapping path -> values (one entry per
+        step under generation). Call it before the body reads anything. See docs/cache.md."""
+        from .cache import make_cache
+
+        return make_cache(self, modules, device, dtype, detach, include_output, include_inputs,
+                          non_blocking)
+
+    def barrier(self, n):
+        """A meeting point for `n` invoke bodies: each calls `barrier()`, and none goes on until
+        all `n` have arrived. See docs/barrier.md."""
+        from .barrier import make_barrier
+
+        return make_barrier(self, n)
 
     def stop(self):
         """End the forward pass here; the body ends too, and what it saved so far is kept."""
