@@ -117,7 +117,7 @@ def compact(value):
     only where something was copied.
     """
     if isinstance(value, torch.Tensor):
-        if _pins_more(value):
+        if value._base is not None and _pins_more(value):  # only a view can hold more
             return value.clone()
         return value
     if type(value) is dict and len(value) < 4096:
