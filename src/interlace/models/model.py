@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from ..errors import InterlaceError
 from ..intervention.batching import Batcher
 from ..intervention.envoy import Envoy
 from ..intervention.interleaver import Interleaver, ModelState
@@ -49,6 +50,26 @@ class Model(Envoy):
         body; the invokes run batched in one forward pass.
         """
         return InterleavingTracer(self, args, kwargs)
+
+    def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
+              workers=None, generate=False, **kwargs):
+        """`with model.sweep(items, input=x) as sweep:` - the body runs once per item, batched.
+
+        Inside the body `sweep.item` is the current item and `sweep.output` its part of the
+        model's return value; after the block each saved name is a list of its values in
+        item order (`sweep.results` maps name -> list). `input=None`: each item is the
+        input; a callable: `input(item)`; anything else: one input shared by every item.
+        Other keywords go to the forward. See docs/sweeps.md.
+        """
+        from ..sweeps import SweepTracer
+
+        if generate:
+            raise InterlaceError(
+                "generate=True runs transformers generation; wrap the model with "
+                "interlace.LanguageModel to sweep generations"
+            )
+        return SweepTracer(self, items, input, batch_size=batch_size, progress=progress,
+                           executor=executor, workers=workers, kwargs=kwargs)
 
     def __call__(self, *args, **kwargs):
         return Envoy.__call__(self, *args, **kwargs)
