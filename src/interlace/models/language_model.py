@@ -117,6 +117,7 @@ class LanguageModel(Model):
                 (name,),
                 dict(tokenizer=tokenizer, device_map=device_map, dtype=dtype, automodel=automodel,
                      **kwargs),  # (task= has become automodel= above)
+                _unchanged_since_load(module),
             )
         object.__setattr__(self, "_load_recipe", recipe)
 
@@ -157,7 +158,8 @@ class LanguageModel(Model):
               workers=None, generate=False, **kwargs):
         """`with model.sweep(items, input=prompt) as sweep:` - the body runs once per item.
 
-        As `Model.sweep`; prompts of different lengths are left-padded as `trace` pads them.
+        As `Model.sweep`; a batch only holds prompts of one length (no item is padded for
+        another's sake), and an item holding several prompts is left-padded as `trace` pads.
         Keywords go to the forward (checked as `trace` checks them), or to `generate` with
         `generate=True`, where `sweep.output` is the item's generated ids and
         `sweep.iter[...]` its steps.
@@ -285,6 +287,21 @@ class LanguageModel(Model):
             if p.device.type != "meta":
                 return p.device
         return torch.device("cpu")
+
+
+def _unchanged_since_load(module):
+    """A check: are `module`'s weights still the ones loaded (no tensor replaced or edited)?
+
+    A Ray sweep rebuilds a loaded model on its workers from the recipe only while this holds;
+    weights edited in place after loading (version counters) or replaced are shipped instead.
+    """
+
+    def weights():
+        return [(id(t), t._version, t.data_ptr()) for t in module.parameters()] + [
+            (id(t), t._version, t.data_ptr()) for t in module.buffers()]
+
+    loaded = weights()
+    return lambda: weights() == loaded
 
 
 class LanguageTracer(InterleavingTracer):
