@@ -16,8 +16,9 @@ cdef extern from "_cframes_impl.h":
     int ilc_patch_check(object code, int unit, int prev_unit) except -1
     int ilc_split_super(object code, int unit) except -1
     int ilc_redirect(object code, int unit, int delta) except -1
+    int ilc_guard(object code, int unit) except -1
     Py_ssize_t ilc_armed_count()
-    object ilc_tracer_methods(object type, object enter, object exit, object reraise, object blocks,
+    object ilc_tracer_methods(object type, object enter, object exit, object clean, object blocks,
                               object block_type, object plan_type, object enter_code_ids,
                               object local, object current)
 
@@ -36,7 +37,7 @@ class SkipSignal(BaseException):
 ilc_init(SkipSignal)
 
 _lock = threading.Lock()
-_starts = {}          # id(code) -> (code, set(lines), set(units))
+_starts = {}          # id(code) -> (code, set(lines), set(units), set(guard units))
 _tool = None
 _DISABLE = None
 
@@ -53,15 +54,18 @@ def disarm(handle):
     return ilc_disarm(handle) == 1
 
 
-def tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
-                   local, current):
-    """(__enter__, __exit__) for `cls` (the Tracer): C methods that do a warm site's mechanism
-    (lookup, arm, disarm, the backend call) and call the Python methods
-    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for the rest (policy), and
-    `reraise(self, error)` for a backend's error. The other arguments are the objects the
-    warm path reads: BLOCKS, Block, SkipPlan, the __enter__ code ids to look past, skip's
-    thread-local stack and the trace-state ContextVar (see _cframes_impl.c)."""
-    return ilc_tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
+def tracer_methods(cls, enter, exit, aenter, aexit, clean, blocks, block_type, plan_type,
+                   enter_code_ids, local, current):
+    """(__enter__, __exit__, __aenter__, __aexit__) for `cls` (the Tracer): C methods that do a
+    warm site's mechanism (lookup, arm, disarm, the backend call) and call the Python methods
+    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for the rest (policy). Every error
+    leaving them goes through `clean(error, None)` first (it drops interlace's frames), so
+    no interlace frame is in its traceback. The C __aenter__/__aexit__ call __enter__/__exit__
+    and return a done awaitable; the Python `aenter`/`aexit` are the twin's (unused here).
+    The other arguments are the objects the warm path reads: BLOCKS, Block, SkipPlan, the
+    __enter__ code ids to look past, skip's thread-local stack and the trace-state ContextVar
+    (see _cframes_impl.c)."""
+    return ilc_tracer_methods(cls, enter, exit, clean, blocks, block_type, plan_type, enter_code_ids,
                               local, current)
 
 
@@ -154,30 +158,40 @@ if hasattr(sys, "monitoring"):
 
     def _on_instruction(code, offset):
         entry = _starts.get(id(code))
-        if entry is None or offset // 2 not in entry[2]:
+        if entry is None:
             return _DISABLE
-        ilc_fire()
+        unit = offset // 2
+        guarded = unit in entry[3]
+        if guarded:
+            ilc_guard(code, unit)  # UnboundLocalError, as inline, if a read local is unbound
+        if unit in entry[2]:
+            ilc_fire()
+        elif not guarded:
+            return _DISABLE
         return None
 
-    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
-        """Enable our events on `code` for these body starts (once per code object), and
-        split a quickened pair in front of a body start so its own event fires (3.12)."""
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=(), guard_units=()):
+        """Enable our events on `code` for these body starts (once per code object), split
+        a quickened pair in front of a body start so its own event fires (3.12), and guard
+        the fused reads at `guard_units` (3.13: an unbound local raises UnboundLocalError
+        there instead of being read unchecked)."""
         tool = _tool_id()
         with _lock:
             entry = _starts.get(id(code))
             if entry is None or entry[0] is not code:
-                entry = _starts[id(code)] = (code, set(), set())
+                entry = _starts[id(code)] = (code, set(), set(), set())
             for unit in fused_prev_units:
                 ilc_split_super(code, unit)
             entry[1].update(lines)
             entry[2].update(instruction_units)
+            entry[3].update(guard_units)
             events = _mon.events.LINE
-            if entry[2]:
+            if entry[2] or entry[3]:
                 events |= _mon.events.INSTRUCTION
             if _mon.get_local_events(tool, code) != events:
                 _mon.set_local_events(tool, code, events)
 else:
-    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=(), guard_units=()):
         """Nothing to prepare on 3.10/3.11: the one-shot trace function needs no setup."""
 
 

@@ -160,9 +160,13 @@ static int oneshot_trace(PyObject *obj, PyFrameObject *frame, int what, PyObject
                 }
                 goto done;                 /* consumed: nobody else sees the body start */
             }
-        } else if (what == PyTrace_RETURN || what == PyTrace_EXCEPTION) {
+        } else if (what == PyTrace_RETURN) {
             restore(a);                    /* the frame left the window without a skip */
         }
+        /* PyTrace_EXCEPTION does not end the window: `async with` awaits __aenter__'s
+           result between arming and the body start, and with a trace function set the
+           await reports the StopIteration that carries it. An exception that does leave
+           the window ends in __exit__ (disarm) or in a RETURN event. */
     }
     if (a->prev_func != NULL &&
         !(what == PyTrace_OPCODE && (PyObject *)frame == a->frame && !a->saved_opcodes)) {
@@ -206,6 +210,7 @@ int ilc_split_super(PyObject *code, int unit) { return 0; }
 int ilc_redirect(PyObject *code, int unit, int delta) {
     PyErr_SetString(PyExc_NotImplementedError, "redirect() is for 3.13 only"); return -1;
 }
+int ilc_guard(PyObject *code, int unit) { return 0; }
 Py_ssize_t ilc_armed_count(void) { return 0; }
 
 /* ------------------------------------------------------------------ 3.12 / 3.13 ---- */
@@ -333,6 +338,37 @@ int ilc_redirect(PyObject *code, int unit, int delta) {
 #endif
 }
 
+int ilc_guard(PyObject *code, int unit) {
+#if PY_VERSION_HEX >= 0x030D0000
+    CHECK(PyCode_Check(code), "guard() needs a code object");
+    PyCodeObject *co = (PyCodeObject *)code;
+    CHECK(unit >= 0 && unit < Py_SIZE(co), "unit out of range");
+    _PyInterpreterFrame *cur = PyThreadState_Get()->current_frame;
+    if (cur == NULL || (PyObject *)_PyFrame_GetCode(cur) != code) return 0;
+    int op = *opcode_slot(co, unit);
+    int arg = _PyCode_CODE(co)[unit].op.arg;
+    int reads[2] = {-1, -1};
+    if (op == LOAD_FAST_LOAD_FAST) { reads[0] = arg >> 4; reads[1] = arg & 15; }
+    else if (op == STORE_FAST_LOAD_FAST) { reads[0] = arg & 15; }
+    else return 0;
+    PyObject **locals = _PyFrame_GetLocalsArray(cur);
+    for (int k = 0; k < 2; k++) {
+        int i = reads[k];
+        if (i < 0 || locals[i] != NULL) continue;
+        if (op == STORE_FAST_LOAD_FAST && (arg >> 4) == i) continue;  /* stored first */
+        PyObject *name = PyTuple_GET_ITEM(co->co_localsplusnames, i);   /* borrowed */
+        PyObject *error = PyObject_CallFunction(PyExc_UnboundLocalError,
+            "N", PyUnicode_FromFormat("cannot access local variable '%U' where it is not "
+                                      "associated with a value", name));
+        if (error == NULL) return -1;
+        PyErr_SetObject(PyExc_UnboundLocalError, error);
+        Py_DECREF(error);
+        return -1;
+    }
+#endif
+    return 0;
+}
+
 int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
     CHECK(PyCode_Check(code), "patch_check() needs a code object");
     PyCodeObject *co = (PyCodeObject *)code;
@@ -354,17 +390,22 @@ int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
 #endif
 
 /* ------------------------------------------------------- Tracer warm path (all) ---- *
- * Tracer.__enter__/__exit__ as C methods (no Python frame, no traceback entry of ours).
- * Mechanism only: on a warm site they look up what Python already decided (the Block in
- * BLOCKS, its SkipPlan's arm arguments) and arm/disarm exactly as skip.arm/skip.disarm do,
- * on the same thread-local stack, and call the backend. Anything else (a miss, a negative verdict, a pass-only
- * body, a subclass's __enter__ calling super().__enter__(), an exception, a skip that did
- * not fire) calls the Python methods, which hold the whole policy; so does a backend error
- * (cleaning its traceback). */
+ * Tracer.__enter__/__exit__/__aenter__/__aexit__ as C methods (no Python frame, no
+ * traceback entry of ours). Mechanism only: on a warm site they look up what Python already
+ * decided (the Block in BLOCKS, its SkipPlan's arm arguments) and arm/disarm exactly as
+ * skip.arm/skip.disarm do, on the same thread-local stack, and call the backend. Anything
+ * else (a miss, a negative verdict, a pass-only body, a subclass's __enter__ calling
+ * super().__enter__(), an exception, a skip that did not fire) calls the Python methods,
+ * which hold the whole policy.
+ *
+ * Errors: whatever leaves these methods (a refusal, a body's or a backend's error) first
+ * goes through the Python `clean(error, None)`, which drops interlace's frames from its
+ * traceback. `clean` returns normally, so it adds no frame; the eval loop then adds only the
+ * user's frame at the `with` line: no interlace frame is left in the traceback. */
 
 static PyObject *tr_enter = NULL;     /* strong: Python __enter__(self, frame) */
 static PyObject *tr_exit = NULL;      /* strong: Python __exit__(self, t, v, tb, fired) */
-static PyObject *tr_reraise = NULL;   /* strong: Python (self, error): clean, re-raise, clear */
+static PyObject *tr_clean = NULL;     /* strong: Python clean(error, signal): drop our frames */
 static PyObject *tr_blocks = NULL;    /* strong: blocks.BLOCKS (dict) */
 static PyObject *tr_block_type = NULL;/* strong: blocks.Block */
 static PyObject *tr_plan_type = NULL; /* strong: skip.SkipPlan */
@@ -372,7 +413,33 @@ static PyObject *tr_enter_ids = NULL; /* strong: tracer._ENTER_CODE_IDS (set) */
 static PyObject *tr_local = NULL;     /* strong: skip._local (threading.local) */
 static PyObject *tr_current = NULL;   /* strong: save._CURRENT (ContextVar) */
 static PyObject *s_capture_key, *s_passonly, *s_skip_plan, *s_arm_args, *s_block, *s_parent,
-                *s_frame, *s_plan, *s_stack, *s_state, *s_backend;  /* interned, strong */
+                *s_frame, *s_plan, *s_stack, *s_state, *s_backend,
+                *s_dunder_enter, *s_dunder_exit;  /* interned, strong */
+
+/* The pending exception, its traceback cleaned of interlace's frames, still pending.
+   Returns NULL (so that `return clean_pending();` propagates it). If `clean` itself fails,
+   the original exception stays as it was. */
+static PyObject *clean_pending(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *error = PyErr_GetRaisedException();      /* new reference, traceback attached */
+    if (error == NULL) return NULL;
+    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, Py_None, NULL);
+    if (r == NULL) PyErr_Clear(); else Py_DECREF(r);
+    PyErr_SetRaisedException(error);                   /* steals; uses error.__traceback__ */
+#else
+    PyObject *type, *error, *tb;
+    PyErr_Fetch(&type, &error, &tb);
+    PyErr_NormalizeException(&type, &error, &tb);
+    if (error == NULL) { PyErr_Restore(type, error, tb); return NULL; }
+    if (tb != NULL) PyException_SetTraceback(error, tb);
+    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, Py_None, NULL);
+    if (r == NULL) PyErr_Clear(); else Py_DECREF(r);
+    Py_XDECREF(tb);
+    tb = PyException_GetTraceback(error);              /* new reference: the cleaned one */
+    PyErr_Restore(type, error, tb);                    /* steals all three */
+#endif
+    return NULL;
+}
 
 static inline int frame_lasti_bytes(PyFrameObject *f) {
 #if PY_VERSION_HEX >= 0x030B0000
@@ -454,69 +521,56 @@ done:
 }
 
 /* __enter__(self). self: borrowed. Returns a new reference to self (or what the Python
-   method returns), NULL with an error set. */
+   method returns), NULL with an error set (its traceback cleaned). */
 static PyObject *tracer_enter(PyObject *self, PyObject *unused) {
     PyFrameObject *f = PyEval_GetFrame();             /* borrowed: the caller's frame */
     if (f != NULL) {
         int warm = tracer_enter_warm(self, f);
-        if (warm < 0) return NULL;
+        if (warm < 0) return clean_pending();
         if (warm == 1) { Py_INCREF(self); return self; }
     }
     PyObject *argv[2] = {self, f != NULL ? (PyObject *)f : Py_None};
-    return PyObject_Vectorcall(tr_enter, argv, 2, NULL);
+    PyObject *res = PyObject_Vectorcall(tr_enter, argv, 2, NULL);
+    return res != NULL ? res : clean_pending();
 }
 
 /* After a clean skip: run the backend; clear the per-run fields. self: borrowed. Returns
-   a new reference to True, or NULL with an error set. A backend error goes to the Python
-   `reraise(self, error)`, called as the Python __exit__ runs its `except` clause (the error
-   is the exception being handled), which drops our frames from its traceback, re-raises it
-   from the one frame that cannot be removed and clears the fields. */
+   a new reference to True, or NULL with the backend's error set, its traceback cleaned. */
 static PyObject *tracer_finish(PyObject *self) {
     PyObject *backend = PyObject_GetAttr(self, s_backend);
     PyObject *r = backend != NULL ? PyObject_CallOneArg(backend, self) : NULL;
     Py_XDECREF(backend);
-    if (r != NULL) {
-        Py_DECREF(r);
-        PyObject *names[4] = {s_frame, s_plan, s_state, s_parent};
-        for (int k = 0; k < 4; k++)
-            if (PyObject_SetAttr(self, names[k], Py_None) < 0) return NULL;
-        Py_RETURN_TRUE;
-    }
+    if (r == NULL) clean_pending();
+    Py_XDECREF(r);
+    PyObject *names[4] = {s_frame, s_plan, s_state, s_parent};
 #if PY_VERSION_HEX >= 0x030C0000
-    PyObject *error = PyErr_GetRaisedException();      /* new reference, traceback attached */
+    PyObject *error = PyErr_GetRaisedException();      /* keep it aside while clearing */
 #else
-    PyObject *type, *error, *tb;
-    PyErr_Fetch(&type, &error, &tb);
-    PyErr_NormalizeException(&type, &error, &tb);
-    if (tb != NULL && error != NULL) PyException_SetTraceback(error, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
+    PyObject *et, *error, *etb;
+    PyErr_Fetch(&et, &error, &etb);
 #endif
-    if (error == NULL) return NULL;
-    PyObject *old_type, *old_value, *old_tb;
-    PyErr_GetExcInfo(&old_type, &old_value, &old_tb);  /* new references */
-    Py_INCREF(Py_TYPE(error));
-    Py_INCREF(error);
-    PyErr_SetExcInfo((PyObject *)Py_TYPE(error), error, PyException_GetTraceback(error));  /* steals */
-    PyObject *argv[2] = {self, error};
-    PyObject *res = PyObject_Vectorcall(tr_reraise, argv, 2, NULL);
-    PyErr_SetExcInfo(old_type, old_value, old_tb);     /* steals: what was handled before */
-    Py_DECREF(error);
-    return res;
+    for (int k = 0; k < 4; k++)
+        if (PyObject_SetAttr(self, names[k], Py_None) < 0) PyErr_Clear();
+#if PY_VERSION_HEX >= 0x030C0000
+    if (error != NULL) { PyErr_SetRaisedException(error); return NULL; }
+#else
+    if (et != NULL) { PyErr_Restore(et, error, etb); return NULL; }
+#endif
+    Py_RETURN_TRUE;
 }
 
 /* __exit__(self, exc_type, exc, tb). self, args: borrowed. Returns a new reference, NULL
-   with an error set. A clean warm exit disarms here; the Python method (told that the skip
-   fired or did not) runs the backend, cleans its errors and clears the per-run fields. */
+   with an error set (its traceback cleaned). A clean warm exit disarms here and runs the
+   backend; otherwise the Python method (told whether the skip fired) does. */
 static PyObject *tracer_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *fired = NULL;
     if (nargs == 3 && args[0] == Py_None) {
         PyObject *plan = PyObject_GetAttr(self, s_plan);
-        if (plan == NULL) return NULL;
+        if (plan == NULL) return clean_pending();
         if (plan != Py_None) {
             PyObject *stack = PyObject_GetAttr(tr_local, s_stack);
             if (stack == NULL) {
-                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { Py_DECREF(plan); return NULL; }
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { Py_DECREF(plan); return clean_pending(); }
                 PyErr_Clear();
             } else {
                 Py_ssize_t n = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : 0;
@@ -528,7 +582,7 @@ static PyObject *tracer_exit(PyObject *self, PyObject *const *args, Py_ssize_t n
                     int popped = PyList_SetSlice(stack, n - 1, n, NULL);   /* stack.pop() */
                     int r = popped < 0 ? -1 : ilc_disarm(handle);
                     Py_DECREF(handle);
-                    if (r < 0) { Py_DECREF(stack); Py_DECREF(plan); return NULL; }
+                    if (r < 0) { Py_DECREF(stack); Py_DECREF(plan); return clean_pending(); }
                     fired = r ? Py_True : Py_False;
                 }
                 Py_DECREF(stack);
@@ -537,54 +591,150 @@ static PyObject *tracer_exit(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_DECREF(plan);
     }
     if (fired == Py_True) return tracer_finish(self);
+    PyObject *res;
     if (fired != NULL) {
         PyObject *argv[5] = {self, Py_None, Py_None, Py_None, fired};
-        return PyObject_Vectorcall(tr_exit, argv, 5, NULL);
-    }
-    if (nargs != 3) {
+        res = PyObject_Vectorcall(tr_exit, argv, 5, NULL);
+    } else if (nargs != 3) {
         PyErr_Format(PyExc_TypeError, "__exit__() takes exactly 3 arguments (%zd given)", nargs);
+        return NULL;
+    } else {
+        PyObject *argv[4] = {self, args[0], args[1], args[2]};
+        res = PyObject_Vectorcall(tr_exit, argv, 4, NULL);
+    }
+    return res != NULL ? res : clean_pending();
+}
+
+/* ---- async with: __aenter__/__aexit__ do the work at once and return a done awaitable ---- *
+ * `await` on a Ready gives its value without suspending the coroutine, so the skip armed
+ * by __aenter__ (before the await loop of BEFORE_ASYNC_WITH runs) is still armed at the
+ * body start, and __aexit__'s backend has run when the await after the exit call returns. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *value;          /* strong; NULL once given out */
+} Ready;
+
+static void ready_dealloc(Ready *self) {
+    Py_CLEAR(self->value);
+    PyObject_Free(self);
+}
+
+/* am_await: the object is its own iterator. Returns a new reference. */
+static PyObject *ready_await(PyObject *self) { Py_INCREF(self); return self; }
+
+/* tp_iternext (3.12+'s SEND, and 3.10/3.11 while a trace function is set): finish at once
+   with StopIteration(value). Returns NULL with StopIteration set. */
+static PyObject *ready_next(Ready *self) {
+    PyObject *value = self->value;                   /* ours now */
+    self->value = NULL;
+    if (value == NULL) return NULL;                   /* exhausted: a bare StopIteration */
+    PyObject *stop = PyObject_CallOneArg(PyExc_StopIteration, value);  /* keeps tuples whole */
+    Py_DECREF(value);
+    if (stop == NULL) return NULL;
+    PyErr_SetObject(PyExc_StopIteration, stop);
+    Py_DECREF(stop);
+    return NULL;
+}
+
+/* am_send (3.10/3.11's PyIter_Send): return the value without an exception. *result: a
+   new reference. */
+static PySendResult ready_send(Ready *self, PyObject *arg, PyObject **result) {
+    PyObject *value = self->value;
+    self->value = NULL;
+    if (value == NULL) { Py_INCREF(Py_None); value = Py_None; }
+    *result = value;
+    return PYGEN_RETURN;
+}
+
+static PyAsyncMethods ready_async = {
+    .am_await = ready_await,
+    .am_send = (sendfunc)ready_send,
+};
+
+static PyTypeObject ReadyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "interlace._cframes.Ready",
+    .tp_basicsize = sizeof(Ready),
+    .tp_dealloc = (destructor)ready_dealloc,
+    .tp_as_async = &ready_async,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)ready_next,
+    .tp_doc = "An awaitable that is already done (the result of Tracer.__aenter__/__aexit__).",
+};
+
+/* A Ready holding `value` (stolen; NULL passes the error on). Returns a new reference. */
+static PyObject *ready_new(PyObject *value) {
+    if (value == NULL) return NULL;
+    Ready *r = PyObject_New(Ready, &ReadyType);
+    if (r == NULL) { Py_DECREF(value); return NULL; }
+    r->value = value;
+    return (PyObject *)r;
+}
+
+/* __aenter__(self): self.__enter__() (the C method above, or a subclass's), awaited at once.
+   self: borrowed. Returns a new reference. */
+static PyObject *tracer_aenter(PyObject *self, PyObject *unused) {
+    return ready_new(PyObject_CallMethodNoArgs(self, s_dunder_enter));
+}
+
+/* __aexit__(self, exc_type, exc, tb): self.__exit__(...), awaited at once. A raised error
+   leaves here directly (as from a synchronous __exit__). self, args: borrowed. */
+static PyObject *tracer_aexit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "__aexit__() takes exactly 3 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *argv[4] = {self, args[0], args[1], args[2]};
-    return PyObject_Vectorcall(tr_exit, argv, 4, NULL);
+    return ready_new(PyObject_VectorcallMethod(s_dunder_exit, argv, 4, NULL));
 }
 
 static PyMethodDef tracer_enter_def = {"__enter__", (PyCFunction)tracer_enter, METH_NOARGS,
     "__enter__($self, /)\n--\n\nCapture (memoised) and arm the skip of this with block's body."};
 static PyMethodDef tracer_exit_def = {"__exit__", (PyCFunction)(void (*)(void))tracer_exit,
     METH_FASTCALL, "__exit__($self, exc_type, exc, tb, /)\n--\n\n"
-    "Disarm the skip; run the backend; re-raise its errors cleaned."};
+    "Disarm the skip; run the backend; raise its errors without interlace's frames."};
+static PyMethodDef tracer_aenter_def = {"__aenter__", (PyCFunction)tracer_aenter, METH_NOARGS,
+    "__aenter__($self, /)\n--\n\n__enter__ for `async with`: returns a done awaitable."};
+static PyMethodDef tracer_aexit_def = {"__aexit__", (PyCFunction)(void (*)(void))tracer_aexit,
+    METH_FASTCALL, "__aexit__($self, exc_type, exc, tb, /)\n--\n\n"
+    "__exit__ for `async with`: returns a done awaitable."};
 
-PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *reraise,
+PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
                              PyObject *blocks,
                              PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
                              PyObject *local, PyObject *current) {
     if (!PyType_Check(type) || !PyDict_CheckExact(blocks) || !PyType_Check(block_type)
             || !PyType_Check(plan_type) || !PyAnySet_CheckExact(enter_ids)
-            || !PyContextVar_CheckExact(current)) {
+            || !PyContextVar_CheckExact(current) || !PyCallable_Check(clean)) {
         PyErr_SetString(PyExc_TypeError, "tracer_methods(): unexpected argument types");
         return NULL;
     }
+    if (PyType_Ready(&ReadyType) < 0) return NULL;
 #define INTERN(var, text) if (var == NULL && (var = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_capture_key, "_capture_key"); INTERN(s_passonly, "passonly");
     INTERN(s_skip_plan, "skip_plan"); INTERN(s_arm_args, "_arm_args"); INTERN(s_block, "block");
     INTERN(s_parent, "_parent"); INTERN(s_frame, "_frame"); INTERN(s_plan, "_plan");
     INTERN(s_stack, "stack"); INTERN(s_state, "_state"); INTERN(s_backend, "backend");
+    INTERN(s_dunder_enter, "__enter__"); INTERN(s_dunder_exit, "__exit__");
 #undef INTERN
     Py_INCREF(enter); Py_XSETREF(tr_enter, enter);
     Py_INCREF(exit_); Py_XSETREF(tr_exit, exit_);
-    Py_INCREF(reraise); Py_XSETREF(tr_reraise, reraise);
+    Py_INCREF(clean); Py_XSETREF(tr_clean, clean);
     Py_INCREF(blocks); Py_XSETREF(tr_blocks, blocks);
     Py_INCREF(block_type); Py_XSETREF(tr_block_type, block_type);
     Py_INCREF(plan_type); Py_XSETREF(tr_plan_type, plan_type);
     Py_INCREF(enter_ids); Py_XSETREF(tr_enter_ids, enter_ids);
     Py_INCREF(local); Py_XSETREF(tr_local, local);
     Py_INCREF(current); Py_XSETREF(tr_current, current);
-    PyObject *e = PyDescr_NewMethod((PyTypeObject *)type, &tracer_enter_def);
-    if (e == NULL) return NULL;
-    PyObject *x = PyDescr_NewMethod((PyTypeObject *)type, &tracer_exit_def);
-    if (x == NULL) { Py_DECREF(e); return NULL; }
-    PyObject *out = PyTuple_Pack(2, e, x);
-    Py_DECREF(e); Py_DECREF(x);
+    PyMethodDef *defs[4] = {&tracer_enter_def, &tracer_exit_def, &tracer_aenter_def, &tracer_aexit_def};
+    PyObject *out = PyTuple_New(4);
+    if (out == NULL) return NULL;
+    for (int k = 0; k < 4; k++) {
+        PyObject *m = PyDescr_NewMethod((PyTypeObject *)type, defs[k]);
+        if (m == NULL) { Py_DECREF(out); return NULL; }
+        PyTuple_SET_ITEM(out, k, m);                    /* steals */
+    }
     return out;
 }

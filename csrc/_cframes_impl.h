@@ -26,14 +26,20 @@ int ilc_split_super(PyObject *code, int unit);
 /* code: borrowed. 3.13: turns the fused read at `unit` into JUMP_FORWARD `delta` (to the
    same instruction in the handler's checked copy of the tail). Returns 1, -1 with error. */
 int ilc_redirect(PyObject *code, int unit, int delta);
+/* code: borrowed. 3.13: if the current frame runs `code`, raise UnboundLocalError (as the
+   interpreter would) when a local that the fused read at `unit` (LOAD_FAST_LOAD_FAST,
+   STORE_FAST_LOAD_FAST) reads is unbound. Returns 0 (bound, or nothing to check), -1 with
+   the error set. A no-op before 3.13. */
+int ilc_guard(PyObject *code, int unit);
 /* Number of live armed handles (for leak tests). */
 Py_ssize_t ilc_armed_count(void);
 /* All borrowed (kept as strong references by the module). Returns a NEW reference to a
-   tuple (__enter__, __exit__) of C method descriptors for `type`: the warm path of
-   Tracer.__enter__/__exit__, calling `enter(self, frame)` / `exit(self, t, v, tb[, fired])`
-   for everything else and `reraise(self, error)` for a backend's error. NULL with an error
-   set. */
-PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *reraise,
+   tuple (__enter__, __exit__, __aenter__, __aexit__) of C method descriptors for `type`: the
+   warm path of Tracer.__enter__/__exit__, calling `enter(self, frame)` /
+   `exit(self, t, v, tb[, fired])` for everything else, and `clean(error, None)` on every
+   error that leaves them (it drops interlace's frames from the traceback); __aenter__ and
+   __aexit__ call __enter__/__exit__ and return a done awaitable. NULL with an error set. */
+PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
                              PyObject *blocks,
                              PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
                              PyObject *local, PyObject *current);

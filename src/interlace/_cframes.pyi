@@ -30,8 +30,13 @@ def prepare(
     instruction_units: Iterable[int],
     lines: Iterable[int],
     fused_prev_units: Iterable[int] = ...,
+    guard_units: Iterable[int] = ...,
 ) -> None:
-    """3.12+: enable our tool's LINE (and INSTRUCTION) events on `code`, once; no-op before."""
+    """3.12+: enable our tool's LINE (and INSTRUCTION) events on `code`, once; no-op before.
+
+    3.13: each fused read at `guard_units` (LOAD_FAST_LOAD_FAST, STORE_FAST_LOAD_FAST) gets
+    an INSTRUCTION event that raises UnboundLocalError when a local it reads is unbound,
+    as the interpreter would for a checked read (the twin accepts none)."""
 
 def patch_checks(code: CodeType, units: Iterable[int], prev_units: Iterable[int] = ...) -> int:
     """3.12+: rewrite the LOAD_FAST at each unit to LOAD_FAST_CHECK in place."""
@@ -47,19 +52,23 @@ def tracer_methods(
     cls: type,
     enter: Any,
     exit: Any,
-    reraise: Any,
+    aenter: Any,
+    aexit: Any,
+    clean: Any,
     blocks: dict,
     block_type: type,
     plan_type: type,
     enter_code_ids: set,
     local: Any,
     current: Any,
-) -> tuple[Any, Any]:
-    """(__enter__, __exit__) for the Tracer class: C methods doing a warm site's lookup, arm,
-    disarm and backend call, calling the Python `enter(self, frame)` /
-    `exit(self, t, v, tb, fired)` for everything else (a miss, pass-only bodies, subclass
-    __enter__ chains, exceptions) and `reraise(self, error)` for a backend's error. The twin
-    returns `enter` and `exit` unchanged."""
+) -> tuple[Any, Any, Any, Any]:
+    """(__enter__, __exit__, __aenter__, __aexit__) for the Tracer class: C methods doing a
+    warm site's lookup, arm, disarm and backend call, calling the Python
+    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for everything else (a miss,
+    pass-only bodies, subclass __enter__ chains, exceptions). Every error leaving them is
+    passed to `clean(error, None)` first, which drops interlace's frames from its traceback;
+    they add none of their own. The C __aenter__/__aexit__ call __enter__/__exit__ and
+    return a done awaitable. The twin returns `enter`, `exit`, `aenter`, `aexit` unchanged."""
 
 def armed_count() -> int:
     """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11)."""

@@ -102,8 +102,11 @@ if hasattr(sys, "monitoring"):
         _fire(sys._getframe(1), offset // 2)
         return None
 
-    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
-        """Enable our events on `code` for these body starts (once per code object)."""
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=(), guard_units=()):
+        """Enable our events on `code` for these body starts (once per code object). The twin
+        guards no reads (native only: it refuses the shapes that need it)."""
+        if guard_units:
+            raise NotImplementedError("the pure-Python twin does not guard fused reads")
         tool = _tool_id()
         with _lock:
             entry = _starts.get(id(code))
@@ -141,16 +144,22 @@ else:  # 3.10 / 3.11: a chained Python trace function
     def _no_global(frame, event, arg):
         return None
 
-    def prepare(code, line_units, instruction_units, lines, fused_prev_units=()):
+    def prepare(code, line_units, instruction_units, lines, fused_prev_units=(), guard_units=()):
         """Nothing to prepare without sys.monitoring."""
 
-    def arm(frame, lo, hi, exit_unit, mode):
-        """Arm a skip of `frame` at units lo..hi by raising from its local trace function."""
-        rec = _Armed(frame, lo, hi, mode)
-        rec.prev_global = sys.gettrace()
-        rec.prev_local = frame.f_trace
+    class _LocalTrace:
+        """The armed frame's local trace function. An object returning itself, not a closure
+        returning itself: that closure would be a reference cycle (function -> cell ->
+        function) holding the record, hence the user's frame and its locals, until the
+        cyclic collector runs."""
 
-        def local(f, event, arg):
+        __slots__ = ("rec",)
+
+        def __init__(self, rec):
+            self.rec = rec
+
+        def __call__(self, f, event, arg):
+            rec = self.rec
             if rec.live and f is rec.frame and event == "line" and rec.lo <= f.f_lasti // 2 <= rec.hi:
                 rec.fired = True
                 rec.live = False
@@ -161,9 +170,14 @@ else:  # 3.10 / 3.11: a chained Python trace function
                 rec.prev_local = prev(f, event, arg)
             if not rec.live:
                 return rec.prev_local
-            return local
+            return self
 
-        frame.f_trace = local
+    def arm(frame, lo, hi, exit_unit, mode):
+        """Arm a skip of `frame` at units lo..hi by raising from its local trace function."""
+        rec = _Armed(frame, lo, hi, mode)
+        rec.prev_global = sys.gettrace()
+        rec.prev_local = frame.f_trace
+        frame.f_trace = _LocalTrace(rec)
         if rec.prev_global is None:
             sys.settrace(_no_global)
         return rec
@@ -181,12 +195,13 @@ else:  # 3.10 / 3.11: a chained Python trace function
         return rec.fired
 
 
-def tracer_methods(cls, enter, exit, reraise, blocks, block_type, plan_type, enter_code_ids,
-                   local, current):
-    """(__enter__, __exit__) for `cls`: the twin has no warm path of its own, so these are
-    the Python methods `enter`/`exit` themselves (the compiled module returns C methods
-    that shortcut a warm site and call them for the rest)."""
-    return enter, exit
+def tracer_methods(cls, enter, exit, aenter, aexit, clean, blocks, block_type, plan_type,
+                   enter_code_ids, local, current):
+    """(__enter__, __exit__, __aenter__, __aexit__) for `cls`: the twin has no warm path of its
+    own, so these are the Python methods themselves (the compiled module returns C methods
+    that shortcut a warm site, call `enter`/`exit` for the rest and leave no frame of theirs
+    in a traceback)."""
+    return enter, exit, aenter, aexit
 
 
 class FastSkip:

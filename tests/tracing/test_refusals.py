@@ -227,3 +227,25 @@ def test_a_refused_site_stays_refused_and_never_runs(run_refused, tmp_path):
         with pytest.raises(UnsupportedBlockError):
             namespace["f"]()
     assert namespace["ran"] == []
+
+
+@pytest.mark.native_only
+def test_a_try_first_body_that_always_raises_is_refused_with_a_rewrite(run_refused):
+    # Every path raises, so there is no normal exit to jump to, and raising at the body
+    # start would run the `try`'s handlers (3.11+: its first instruction is outside the
+    # with's exception range). A statement before the `try` makes it skippable by raising.
+    message, path = run_refused(
+        "always_raises.py",
+        """
+        def f():
+            with Tracer():
+                try:
+                    ran.append(1)
+                finally:
+                    ran.append(2)
+                raise KeyError(3)
+        """,
+    )
+    assert message.startswith(f"{path}:4: cannot skip this `with` body: its first statement is a `try`")
+    assert "every path raises" in message
+    assert "Put a statement before the `try`" in message

@@ -1,4 +1,4 @@
-"""Every with shape from notes/cpython-with-skip-findings.md, skipped and run by a backend.
+"""Every with shape docs/skip.md discusses, skipped and run by a backend.
 
 Each block is written once as a function of the context-manager class and run with
 `Tracer` and with the inline reference (`Inline`, tests/tracing/conftest.py): the results
@@ -8,6 +8,7 @@ test_skip_refusals.py.
 """
 
 import asyncio
+import contextlib
 import sys
 import threading
 
@@ -598,3 +599,97 @@ def test_four_threads_trace_the_same_site_at_once():
     for t in threads:
         t.join()
     assert results == {k: k * sum(range(500)) for k in range(1, 5)}
+
+
+# -- shapes from issue 7 item 6 (each failed before its fix) ---------------------------------
+
+def two_tracers(T):
+    with T(), T():
+        h = save(ran(1))
+    return h
+
+
+def three_tracers_over_lines(T):
+    with (T(),
+          T() as t,
+          T()):
+        h = save(ran(t is not None))
+    return h
+
+
+@pytest.mark.native_only
+def test_two_and_three_tracers_in_one_with(inline):
+    # The first tracer's body is `with <later items>: body`; its compiled body enters them.
+    # 3.10 has no columns: it used to find the first item again there (endless recursion).
+    for _ in range(2):
+        assert same(two_tracers, inline) == 1
+        assert same(three_tracers_over_lines, inline) is True
+
+
+def test_a_with_far_from_its_handler_needs_an_extended_arg(tmp_path):
+    # 3.10's f_lasti then points at the EXTENDED_ARG before SETUP_WITH (it was refused as
+    # "not used as a with block"), as do nested ones whose inner `with` is the first
+    # statement of the outer body.
+    chain = "".join("            a = a + 1\n" for _ in range(100))
+    source = (
+        "def nested_first(T, x):\n"
+        "    with T():\n"
+        "        with T():\n"
+        "            a = x\n" + chain + "            a = save(a)\n"
+        "    return a\n"
+        "def plain(T, x):\n"
+        "    with T():\n"
+        "        a = x\n" + chain.replace("    a =", "a =") + "        a = save(a)\n"
+        "    return a\n"
+    )
+    module = load(tmp_path, "farhandler", source)
+    for function in (module.nested_first, module.plain):
+        assert [function(Tracer, k) for k in range(3)] == [100, 101, 102]
+
+
+def same_line_raising(T, x):
+    try:
+        with T(): ran(x); raise KeyError(x)  # noqa: E701, E702
+    except KeyError as error:
+        return error.args
+
+
+@pytest.mark.native_only
+def test_a_same_line_body_that_always_raises(inline):
+    # no normal exit exists: the skip raises at the body start's instruction event
+    for k in range(3):
+        assert same(same_line_raising, inline, k) == (k,)
+
+
+@pytest.mark.native_only
+def test_try_first_body_with_a_fused_read_after_the_block(tmp_path):
+    # 3.13 reads `a + b` right after the block with one unchecked LOAD_FAST_LOAD_FAST (the
+    # compiler knows the body binds both). The handler's checked copy of `return a + b` lies
+    # past the long rest of the function, over 255 units away, so the read cannot be
+    # redirected there, and a `try`-first body cannot be skipped by raising. This used to be
+    # refused; the fused read is now guarded: an unbound local raises UnboundLocalError there,
+    # as a checked read would (without the guard: a crash), and bound ones are read as usual.
+    rest = "".join(f"    z = z * 3 + {i}\n" for i in range(90))
+    source = (
+        "def f(T, saved, flag=True):\n"
+        "    z = 0\n"
+        "    if flag:\n"
+        "        with T():\n"
+        "            try:\n"
+        "                z = 1\n"
+        "            except ValueError:\n"
+        "                pass\n"
+        "            a = 1\n"
+        "            b = 2\n"
+        "            if saved:\n"
+        "                save(a)\n"
+        "                save(b)\n"
+        "        return a + b\n" + rest + "    return z\n"
+    )
+    module = load(tmp_path, "fusedtail", source)
+    for _ in range(2):
+        assert module.f(Tracer, True) == 3
+        with pytest.raises(UnboundLocalError, match="'a'"):
+            module.f(Tracer, False)
+    assert module.f(contextlib.nullcontext, False) == 3  # inline, through the guard
+    assert module.f(Tracer, True, flag=False) == module.f(contextlib.nullcontext, True, flag=False)

@@ -58,8 +58,12 @@ from . import skip, source, versions
 # (id(code), f_lasti, steps key) -> (code, Block | _Refusal)
 BLOCKS: dict[tuple, tuple] = {}
 
-# Opcodes that call __enter__ for a plain `with` (3.10: SETUP_WITH; 3.11+: BEFORE_WITH).
-WITH_OPCODES = frozenset(dis.opmap[name] for name in versions.WITH_ENTER_OPS if name in dis.opmap and "ASYNC" not in name)
+# Opcodes that call __enter__/__aenter__ for one with item (3.10: SETUP_WITH; 3.11+:
+# BEFORE_WITH; both: BEFORE_ASYNC_WITH). 3.10's SETUP_ASYNC_WITH comes after the awaited
+# __aenter__ and calls nothing.
+WITH_OPCODES = frozenset(dis.opmap[name] for name in versions.WITH_ENTER_OPS if name in dis.opmap and name != "SETUP_ASYNC_WITH")
+_EXTENDED_ARG = dis.opmap["EXTENDED_ARG"]
+_WITH_NODES = (ast.With, ast.AsyncWith)
 
 # The body function's hidden last parameter: builtins.locals, so that a user's own `locals`
 # (a local, a global) cannot change what the body returns.
@@ -131,6 +135,7 @@ class Block:
             if params not in self._functions:
                 self._ensure_statements()
                 code = steps.compile(self, steps.build(self, params))
+                self._register(code)
                 self._functions[params] = code
         return self._functions[params]
 
@@ -143,6 +148,10 @@ class Block:
                 raise WithBlockNotFoundError(f"{self.filename}:{self.lineno}: cannot rebuild the pickled block")
             self.node = node
             self.statements = _scope_declarations(_body_statements(node, self.item_index), self.kind)[0]
+
+    def _register(self, code):
+        if self.item_index < self.n_items - 1:  # the body is `with <later items>: body`
+            _SYNTHETIC[id(code)] = (code, self.node, self.item_index + 1)
 
     # -- pickling: keep the facts and the source, drop the AST and compiled code -------
     def __getstate__(self):
@@ -170,6 +179,13 @@ class _Refusal:
         return self.error_type(self.message)
 
 
+# id(code of a compiled body) -> (code, the source With node, index of its first item that
+# the body enters): a tracer that is not the last item of `with T(), B():` compiles its body as
+# `with B(): body`, whose items are then found from here rather than from the source (3.10
+# has no columns to tell the two apart on a shared line).
+_SYNTHETIC: dict = {}
+
+
 def capture(frame, steps, key_extra=None):
     """The `Block` for the `with` whose `__enter__` the frame is executing (memoised)."""
     code = frame.f_code
@@ -188,9 +204,18 @@ def capture(frame, steps, key_extra=None):
 
 
 # -- locating the site ---------------------------------------------------------------------
+def enter_offset(code, lasti):
+    """Byte offset of the with-enter opcode at `lasti` (3.10's f_lasti may point at the
+    EXTENDED_ARG before it, when the with's handler is far away)."""
+    raw = code.co_code
+    while lasti + 2 < len(raw) and raw[lasti] == _EXTENDED_ARG:
+        lasti += 2
+    return lasti
+
+
 def site_of(frame) -> CallSite:
     code = frame.f_code
-    lasti = frame.f_lasti
+    lasti = enter_offset(code, frame.f_lasti)
     position = None
     col = None
     positions = getattr(code, "co_positions", None)
@@ -294,7 +319,7 @@ def _find_with(tree, lineno, col, position):
     context expression (line, col).
     """
     for node in ast.walk(tree):
-        if type(node) is not ast.With:
+        if type(node) not in _WITH_NODES:
             continue
         if col is None:
             if node.lineno == lineno:
@@ -307,6 +332,19 @@ def _find_with(tree, lineno, col, position):
                 if expr.lineno == lineno and expr.col_offset == col:
                     return node
     return None
+
+
+def _synthetic_item(code, lasti):
+    """(source With node, item index) when `code` is a compiled body that enters the later
+    items of a multi-item `with` and `lasti` is one of them; else None."""
+    entry = _SYNTHETIC.get(id(code))
+    if entry is None or entry[0] is not code:
+        return None
+    node, base = entry[1], entry[2]
+    raw = code.co_code
+    enters = [off for off in range(0, len(raw), 2) if raw[off] in WITH_OPCODES]
+    position = enters.index(lasti) if lasti in enters else len(node.items)
+    return (node, base + position) if base + position < len(node.items) else None
 
 
 def _item_index(node, site, code):
@@ -336,7 +374,7 @@ def _body_statements(node, item_index):
 # -- building the Block ---------------------------------------------------------------------
 def build_block(frame, steps):
     code = frame.f_code
-    lasti = frame.f_lasti
+    lasti = enter_offset(code, frame.f_lasti)
     filename = code.co_filename
     if code.co_code[lasti] not in WITH_OPCODES:
         raise WithBlockNotFoundError(
@@ -352,14 +390,22 @@ def build_block(frame, steps):
             f"exec of a string, a file edited since it was first read). interlace runs the block "
             f"from its source: put the code in a file, a notebook cell or `python -c`."
         )
-    node = steps.parse(lines, site)
+    synthetic = _synthetic_item(code, lasti)
+    node = synthetic[0] if synthetic is not None else steps.parse(lines, site)
     if node is None:
         raise WithBlockNotFoundError(
             f"{filename}:{site.lineno}: no with statement found at this line of the source; the "
             f"file may have changed since it was first read (interlace reads each source once). "
             f"Restart the process after editing the file."
         )
-    item_index = _item_index(node, site, code)
+    item_index = synthetic[1] if synthetic is not None else _item_index(node, site, code)
+    if type(node) is ast.AsyncWith and item_index < len(node.items) - 1:
+        raise UnsupportedBlockError(
+            f"{filename}:{node.lineno}: the tracer is not the last item of this `async with` (in "
+            f"{code.co_name}()): its body would have to enter the later items with `async with`, "
+            f"which cannot run outside the coroutine. Put the tracer last (`async with other, "
+            f"tracer:`), or enter the other items in an enclosing `async with`."
+        )
     statements = _body_statements(node, item_index)
     _refuse_escapes(statements, filename, node.lineno, code.co_name)
     kind = _kind(frame)

@@ -14,9 +14,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
-from typing import Optional
-
-from bytecode import ConcreteBytecode
 
 from . import versions as V
 
@@ -31,12 +28,12 @@ class Site:
     body_start: int       # first unit after the `as` binding (incl. EXTENDED_ARG prefix)
     body_op_unit: int     # unit of the real opcode there (where f_lasti points)
     body_op: str          # its name
-    body_line: Optional[int]
+    body_line: int | None
     line_start: bool      # the body start begins a new line, so a LINE event fires there
     fused_binding: bool   # 3.13: the as-binding is fused with the first body read
-    exit_unit: Optional[int]   # verified normal exit, None if none was found
-    handler_unit: Optional[int]
-    refusal: Optional[str]     # why no verified exit exists (shape description)
+    exit_unit: int | None   # verified normal exit, None if none was found
+    handler_unit: int | None
+    refusal: str | None     # why no verified exit exists (shape description)
     tail_pairs: tuple = ()     # (unit after the normal exit, same instruction after the handler)
 
 
@@ -44,6 +41,8 @@ class _Code:
     """One decoded code object: instruction names/args/offsets without CACHE entries."""
 
     def __init__(self, code):
+        from bytecode import ConcreteBytecode  # here: the library costs `import interlace` ~5 ms
+
         cb = ConcreteBytecode.from_code(code, extended_arg=False)  # fold EXTENDED_ARG into its instruction
         self.instrs = []
         self.names = []
@@ -120,9 +119,12 @@ def analyse(code, lasti: int) -> Site:
     depth = 1
     i = w + 1
     fused = False
+    setup = w  # the instruction whose jump target is the with's handler (3.10)
     if c.names[w] in ("BEFORE_ASYNC_WITH", "SETUP_ASYNC_WITH"):
         # the awaited __aenter__ result: skip the await loop (GET_AWAITABLE ... ) first
         i = _skip_await(c, i)
+        if i < len(c.names) and c.names[i] == "SETUP_ASYNC_WITH":
+            setup = i  # 3.10 sets the block up after the await
     while depth > 0 and i < len(c.names):
         name = c.names[i]
         if name == "STORE_FAST_LOAD_FAST" and depth == 1:
@@ -148,7 +150,7 @@ def analyse(code, lasti: int) -> Site:
         else:
             exit_index, refusal = _find_exit_311(c, w, body, handler)
     else:  # 3.10
-        handler = c.target(w)
+        handler = c.target(setup)
         handler = c.units[handler] if handler is not None else None
         exit_index, refusal = _find_exit_310(c, body)
     pairs = []
@@ -240,7 +242,7 @@ def _find_exit_310(c: _Code, body: int):
     return None, "the body never falls through to the end of the with block"
 
 
-def _after_exit(c: _Code, i: int) -> Optional[int]:
+def _after_exit(c: _Code, i: int) -> int | None:
     """Index of the first instruction after the normal exit starting at `i`."""
     if c.names[i] == "POP_BLOCK":
         i += 1
@@ -252,7 +254,7 @@ def _after_exit(c: _Code, i: int) -> Optional[int]:
     return None
 
 
-def _after_suppress(c: _Code, handler_unit: int) -> Optional[int]:
+def _after_suppress(c: _Code, handler_unit: int) -> int | None:
     """Index where the handler continues when __exit__ returns True."""
     i = c.by_unit.get(handler_unit)
     if i is None:
@@ -294,7 +296,7 @@ def _keys(c: _Code, i: int) -> list:
     return [(name, arg if arg is not _NO_ARG else None)]
 
 
-def _verify(c: _Code, exit_index: int, handler_unit: Optional[int], pairs: list) -> Optional[str]:
+def _verify(c: _Code, exit_index: int, handler_unit: int | None, pairs: list) -> str | None:
     """None if the code after the normal exit is what the suppress path runs, else why not.
 
     Appends to `pairs` the (normal, handler) units of instructions that start in step."""
@@ -332,7 +334,7 @@ def _verify(c: _Code, exit_index: int, handler_unit: Optional[int], pairs: list)
     return "the code after the with block is too long to compare"
 
 
-def _follow(c: _Code, i: int) -> Optional[int]:
+def _follow(c: _Code, i: int) -> int | None:
     for _ in range(32):
         if i >= len(c.names):
             return None

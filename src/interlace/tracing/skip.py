@@ -4,7 +4,7 @@ The body of `with tracer:` must not run inline: the Tracer runs it through a bac
 frame mechanism lives in the native extension (`interlace._cframes`) or its pure-Python twin
 (`interlace._pyframes`), chosen by `interlace._native`; this module decides what to ask of it.
 
-How the native path skips, per version (see notes/cpython-with-skip-findings.md):
+How the native path skips, per version (the whole story: docs/skip.md):
 
 * 3.10/3.11 - a one-shot C trace function. `arm` installs it with `PyEval_SetTrace`,
   *chained*: it remembers the thread's previous C trace function and object, forwards every
@@ -146,10 +146,16 @@ def _make_plan(frame, code, block) -> SkipPlan:
 
     mode = frames.JUMP
     if site.exit_unit is None:
+        # No normal exit to jump to (e.g. every path of the body raises): raise at the body
+        # start instead (its INSTRUCTION/opcode event when it shares the with's line). Not
+        # past a `try` first: its handlers would run, and on 3.11+ its first instruction is
+        # outside the with's exception range.
         mode = frames.RAISE_LINE
-        if first_is_try or not site.line_start:
-            _refuse(block, site.refusal or "no verified normal exit",
-                    "Make the body fall through to the end of the `with` block.")
+        if first_is_try:
+            _refuse(block, f"its first statement is a `try` and {site.refusal or 'it has no verified normal exit'}"
+                    " (every path raises), so the skip has neither an exit to jump to nor a way to "
+                    "raise past the `try`", "Put a statement before the `try`, or let the body fall "
+                    "through to the end of the `with` block.")
     guards = ()
     if V.NEEDS_LOAD_CHECKS and frame.f_code.co_flags & 0x1:
         names = set(getattr(block, "assigned_names", ()) or ())

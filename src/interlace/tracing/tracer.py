@@ -8,14 +8,20 @@ A subclass customises the small steps `parse` (find the With node), `build` (the
 compile), `compile` (AST -> code) and `execute` (run the code), or passes another `Backend`.
 Subclasses that override parse/build/compile get their own capture cache entries.
 
+`async with Tracer():` works like `with` (in a coroutine): `__aenter__`/`__aexit__` do the
+same work at once and return an awaitable that is already done, so the coroutine never
+suspends between arming the skip and the body start.
+
 Errors: capture refusals (`WithBlockNotFoundError`, `UnsupportedBlockError`) are raised from
 `__enter__`; an error raised by the body or the backend is re-raised from `__exit__` with
-interlace's own frames removed from its traceback (the user's frames, in any file, stay; the
-one `__exit__` frame that re-raises it cannot be removed from Python). Body exceptions keep
-their type.
+interlace's own frames removed from its traceback (the user's frames, in any file, stay).
+Body exceptions keep their type. On the native path the methods are C functions that clean
+every error leaving them and add no frame: the traceback has no interlace frame at all. On
+the twin the one Python `__exit__` (or `__aexit__`) frame that re-raises stays (CPython
+always records the frame that raises); pytest and IPython hide it (`__tracebackhide__`).
 
-Warm path: on the native path `Tracer.__enter__`/`__exit__` are C methods
-(`_cframes.tracer_methods`) that do only mechanism: for a site already captured and planned
+Warm path: on the native path `Tracer.__enter__`/`__exit__` (and `__aenter__`/`__aexit__`)
+are C methods (`_cframes.tracer_methods`) that do only mechanism: for a site already captured and planned
 they look the Block up in BLOCKS, arm/disarm on skip's stack and call the backend, with no
 Python frame of ours. Everything else (a miss, a cached refusal, a pass-only body, a
 subclass's `__enter__` calling `super().__enter__()`, any exception, a backend error) goes to
@@ -33,6 +39,8 @@ from . import blocks, skip
 from .backend import Backend
 from .blocks import BLOCKS, Block, _Refusal
 from .save import _CURRENT, TraceState
+from .save import enter_body as _enter_body
+from .save import exit_body as _exit_body
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STEPS = ("parse", "build", "compile")
@@ -135,6 +143,20 @@ class Tracer:
         finally:
             self._frame = self._plan = self._state = self._parent = None
 
+    # -- async with: the same work, returned as an awaitable that is already done ---------
+    # (the twin's; natively C methods, which add no frame). The coroutine must not suspend
+    # between __aenter__ arming the skip and the body start, nor before __aexit__'s result.
+    def __aenter__(self):
+        return _Ready(self.__enter__())  # __enter__ looks past this frame (_ENTER_CODE_IDS)
+
+    def __aexit__(self, exc_type, exc, tb):
+        try:
+            return _Ready(self.__exit__(exc_type, exc, tb))
+        except BaseException as error:
+            __tracebackhide__ = True  # noqa: F841
+            _clean(error, None)  # __exit__'s frame goes; this one, which re-raises, stays
+            raise error  # noqa: B904
+
     # -- what backends call ---------------------------------------------------------------
     def trace_state(self) -> TraceState:
         """This trace's save set and depth (nested traces share their outermost's save set)."""
@@ -148,11 +170,11 @@ class Tracer:
 
         Sets this trace's save state itself, so it works from any greenlet or thread.
         """
-        token = _CURRENT.set(self._state or self.trace_state())
+        token = _enter_body(self._state or self.trace_state())  # also mounts `.save()`
         try:
             return self.execute(self.block, namespace)
         finally:
-            _CURRENT.reset(token)
+            _exit_body(token)
 
     def push_result(self, values: dict) -> None:
         """Write the body's results into the caller: all of them when nested, else the saved."""
@@ -228,33 +250,22 @@ class Tracer:
 
 
 _ENTER_CODE_IDS.add(id(Tracer.__enter__.__code__))
+_ENTER_CODE_IDS.add(id(Tracer.__aenter__.__code__))
 
 
-def __exit__(self, error):  # noqa: N807 - named so: it is the frame a backend error shows
-    """The C __exit__'s way out for a backend error (called as if in Tracer.__exit__'s
-    `except` clause): what that clause and its `finally` do."""
-    try:
-        __tracebackhide__ = True  # noqa: F841
-        _clean(error, None)
-        raise error
-    finally:
-        self._frame = self._plan = self._state = self._parent = None
-        del error  # as `except ... as error` does: this frame stays in the traceback
+class _Ready:
+    """An awaitable that is already done: `await` gives `value` without suspending."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # a generator: the await loop gets StopIteration(value) at its first step
 
 
-_reraise = __exit__
-del __exit__
-
-
-# The warm path in C (the twin returns the Python methods unchanged): the mechanism of a warm
-# site (lookup in BLOCKS, arm/disarm on skip's stack, the backend call) without a Python
-# frame; the methods above stay the policy for everything else, and `_reraise` is the frame
-# that re-raises a backend error (named __exit__, as the Python method's frame was).
-_policy_enter, _policy_exit = Tracer.__enter__, Tracer.__exit__  # (benchmarks and tests use them)
-Tracer.__enter__, Tracer.__exit__ = _native.frames.tracer_methods(
-    Tracer, _policy_enter, _policy_exit, _reraise, BLOCKS, Block, skip.SkipPlan, _ENTER_CODE_IDS,
-    skip._local, _CURRENT,
-)
 _DEFAULT_BACKEND = Backend()  # stateless: one instance serves every tracer
 _getframe = sys._getframe
 _blocks_get = BLOCKS.get
@@ -302,3 +313,16 @@ def _clean(error: BaseException, signal) -> None:
             if link.__context__ is signal:
                 link.__context__ = signal.__context__
             link = link.__context__
+
+
+# The warm path in C (the twin returns the Python methods unchanged): the mechanism of a warm
+# site (lookup in BLOCKS, arm/disarm on skip's stack, the backend call) without a Python
+# frame; the methods above stay the policy for everything else. Every error leaving the C
+# methods goes through `_clean` first, so its traceback has no interlace frame.
+# (The module keeps the Python methods alive: their code ids are in _ENTER_CODE_IDS.)
+_policy_enter, _policy_exit = Tracer.__enter__, Tracer.__exit__  # (benchmarks and tests use them)
+_policy_aenter, _policy_aexit = Tracer.__aenter__, Tracer.__aexit__
+Tracer.__enter__, Tracer.__exit__, Tracer.__aenter__, Tracer.__aexit__ = _native.frames.tracer_methods(
+    Tracer, _policy_enter, _policy_exit, _policy_aenter, _policy_aexit, _clean, BLOCKS, Block,
+    skip.SkipPlan, _ENTER_CODE_IDS, skip._local, _CURRENT,
+)
