@@ -108,7 +108,7 @@ def _analysis(probe, reference, facts, tok, args) -> bool:
     """Logit lens, patching sweep, and (given a reference probe) the cross-check."""
     import torch
 
-    from .analysis import patching_pairs, patching_sweep
+    from .analysis import patching_pairs, patching_sweep, time_one_trace_per_cell
     from .corpus import PROMPT
     from .report import format_table, heatmap, shade
 
@@ -163,9 +163,16 @@ def _analysis(probe, reference, facts, tok, args) -> bool:
     say(f"{len(pairs)} pairs of prompts with {n_subj}-token countries, e.g. clean {clean[0]!r} "
         f"vs corrupted {corrupt[0]!r}; subj1..subj{n_subj} are the country's tokens "
         f"({subj_example}). In each cell, that block's output at that position is copied from "
-        "the clean run into the corrupted one (both in one batch); the score is how much of the "
-        "clean answer comes back (0 = none, 1 = all of it).")
+        "the clean run into the corrupted one; the score is how much of the "
+        "clean answer comes back (0 = none, 1 = all of it). interlace runs every cell in one "
+        "model.sweep; plain hooks, below, one forward per cell.")
     sweep = patching_sweep(probe, clean, corrupt, clean_ans, corrupt_ans, length, progress)
+    if hasattr(probe, "patched_all"):
+        cells = n_layer * length
+        loop = time_one_trace_per_cell(probe, clean, corrupt, length)
+        say(f"{cells} cells: model.sweep took {sweep.seconds:.2f} s ({cells / sweep.seconds:.0f} "
+            f"cells/s); one trace per cell takes {loop:.2f} s ({cells / loop:.0f} cells/s), "
+            f"{loop / sweep.seconds:.1f}x longer.")
     rec = sweep.recovery
     rows = [[f"block {layer}"] + [f"{rec[layer, c].item():5.2f} {shade(rec[layer, c].item())}"
                                   for c in range(length)] for layer in range(n_layer)]

@@ -193,6 +193,12 @@ def test_interlace_probe_matches_plain_hooks(tiny, world):
         got = ours.patched_logits(clean, corrupt, 0, length - 2)
     torch.testing.assert_close(got, ref.patched_logits(clean, corrupt, 0, length - 2))
     assert not torch.allclose(got, ref.lens(corrupt)[1])
+    # the demo's patching section: every cell in one model.sweep, equal to hooks per cell
+    cells = [(layer, pos) for layer in range(2) for pos in range(length)]
+    with torch.no_grad():
+        every = ours.patched_all(clean, corrupt, cells, progress=False)
+    for (layer, pos), value in zip(cells, every):
+        torch.testing.assert_close(value, ref.patched_logits(clean, corrupt, layer, pos))
 
 
 # -- report -----------------------------------------------------------------------------------

@@ -328,12 +328,24 @@ def choose_batch_size(model, job, sample, n_items=None):
 
 
 def _tokens(key, args):
-    """Tokens (or elements beyond the batch dimension) per row of one item's input."""
-    if key and key[0] == "tokens":
-        return max(1, key[1])
+    """Tokens (or elements beyond the batch dimension) of one item's input, all rows."""
     value = args[0] if args else None
+    rows = _rows(value)
+    if key and key[0] == "tokens":
+        return max(1, key[1]) * rows
     if isinstance(value, torch.Tensor) and value.dim() > 1:
-        return max(1, value[0].numel() if value.dim() > 2 else value.shape[-1])
+        return max(1, value[0].numel() if value.dim() > 2 else value.shape[-1]) * rows
+    return rows
+
+
+def _rows(value):
+    """How many batch rows (prompts) one input holds, roughly: enough to size a batch."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() > 1 else 1
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], int):
+        return len(value)
+    if hasattr(value, "get") and value.get("input_ids") is not None:
+        return _rows(torch.as_tensor(value.get("input_ids")))
     return 1
 
 

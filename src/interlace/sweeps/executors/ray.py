@@ -90,6 +90,8 @@ def _run(sweep, job):
         if size is None:
             head, error = take(entries, 64)
             size = ray.get(actors[0].choose.remote(_ship(head, shared), total))
+            if total:  # every worker gets a batch
+                size = max(1, min(size, -(-total // len(actors))))
             entries = itertools.chain(head, _raise_later(error) if error is not None else entries)
         sweep.chosen_batch_size = size
         _schedule(ray, actors, entries, size, shared, done, sweep)
