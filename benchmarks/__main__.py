@@ -24,8 +24,6 @@ import time
 from . import contenders as C
 from . import measure, report, subjects, workloads
 
-MIB = 1 << 20
-
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])

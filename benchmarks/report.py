@@ -75,14 +75,17 @@ def _num(value, digits=2):
 
 def markdown(results: dict) -> str:
     hw = results["hardware"]
-    lines = [f"**{hw['line']}**", ""]
+    versions = results.get("versions", {})
+    lines = [f"**{hw['line']}**", "",
+             "Contenders: " + ", ".join(results["labels"][c] + (f" {versions[c]}" if versions.get(c) else "")
+                                        for c in results["contenders"]) + ".", ""]
     for name, why in results["skipped"].items():
         lines.append(f"- skipped {name}: {why}")
     if results["skipped"]:
         lines.append("")
     names = results["contenders"]
     labels = results["labels"]
-    for wname, w in results["workloads"].items():
+    for w in results["workloads"].values():
         lines += [f"### {w['title']}", ""]
         if "rows" in w:  # import, cold start
             keys = w["columns"]

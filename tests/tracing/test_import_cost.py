@@ -17,7 +17,8 @@ import pytest
 #: Modules `import interlace` must not load (each is loaded where it is first needed).
 LAZY = ("logging", "typing", "bytecode", "ctypes", "torch", "transformers")
 
-PROBE = "import sys; before = set(sys.modules); {code}; print(__import__('json').dumps(sorted(set(sys.modules) - before)))"
+PROBE = ("import sys; before = set(sys.modules); {code}; "
+         "print(__import__('json').dumps(sorted(set(sys.modules) - before)))")
 
 
 def loaded_by(code: str) -> set:
