@@ -91,19 +91,27 @@ def timed(w, cases, active, settings, o) -> dict:
     out = {"title": w.title, "floor": cases[0].floor if cases else "hooks", "cases": {}}
     for case in cases:
         progress(f"{w.name}: {case.label} ({rounds} rounds)")
-        runners = {}
+        runners, results, failed = {}, {}, {}
         for c in active:
-            r = measure.runner(c, case.op, case.shape, case.args, settings)
-            if r is not None:
-                runners[c.name] = r
-        results = {name: r.result() for name, r in runners.items()
-                   if name != "raw" or case.floor == "raw"}
+            try:
+                r = measure.runner(c, case.op, case.shape, case.args, settings)
+                if r is None:
+                    continue
+                result = r.result()
+            except Exception as error:  # noqa: BLE001 - one contender failing a case is reported, not fatal
+                failed[c.name] = {"error": f"{type(error).__name__}: {error}"}
+                progress(f"  {c.label} failed: {failed[c.name]['error'][:300]}")
+                continue
+            runners[c.name] = r
+            if c.name != "raw" or case.floor == "raw":
+                results[c.name] = result
+            del result
         checks = measure.agree(results, case.floor, loose=frozenset({"tlens"}))
         del results
         rows = measure.summarize(measure.interleaved(runners, rounds, warmup), case.floor, case.per_call)
         for name, (ok, diff) in checks.items():
             rows[name].update(agrees=ok, max_diff=diff)
-        out["cases"][case.label] = rows
+        out["cases"][case.label] = {**rows, **failed}
     return out
 
 
@@ -112,14 +120,18 @@ def peak(w, cases, active, settings) -> dict:
     progress(f"{w.name}: {case.label}")
     values = {}
     for c in active:
-        r = measure.runner(c, case.op, case.shape, case.args, settings)
-        if r is None:
-            continue
-        r.result()  # warm: first-call allocations are not what a trace needs
-        values[c.name] = r.peak()
-    base = values.get("raw", 0)
+        try:
+            r = measure.runner(c, case.op, case.shape, case.args, settings)
+            if r is None:
+                continue
+            r.result()  # warm: first-call allocations are not what a trace needs
+            values[c.name] = r.peak()
+        except Exception as error:  # noqa: BLE001 - reported, not fatal
+            values[c.name] = None
+            progress(f"  {c.label} failed: {type(error).__name__}: {str(error)[:300]}")
+    base = values.get("raw") or 0
     return {"title": w.title, "case": case.label, "peak_bytes": values,
-            "peak": {n: v - base for n, v in values.items()}}
+            "peak": {n: None if v is None else v - base for n, v in values.items()}}
 
 
 def main(argv=None) -> int:

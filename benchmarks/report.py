@@ -106,8 +106,8 @@ def markdown(results: dict) -> str:
                 cells = []
                 for c in present:
                     cell = row.get(c)
-                    if cell is None:
-                        cells.append("—")
+                    if cell is None or "error" in cell:
+                        cells.append("—" if cell is None else "error")
                         continue
                     text = _us(cell["median_us"])
                     if c != w["floor"] and cell.get("ratio") is not None:

@@ -70,6 +70,7 @@ def test_results_agree_with_plain_hooks(run):
     for wname, w in results["workloads"].items():
         for label, row in w.get("cases", {}).items():
             for name, cell in row.items():
+                assert "error" not in cell, f"{wname} / {label}: {name} failed: {cell['error']}"
                 assert cell.get("agrees") is not False, (
                     f"{wname} / {label}: {name}'s results differ from {w['floor']}'s "
                     f"(max abs difference {cell.get('max_diff')})")
@@ -95,6 +96,7 @@ def test_structure_memory_and_fresh_processes(run):
     if "nnsight" in results["contenders"]:
         assert w["wrapped"]["structural"]["nnsight"]  # nnsight replaces forwards: the check sees it
     peak = w["peak_memory"]["peak_bytes"]
+    assert None not in peak.values(), peak  # a contender failed: see the harness's stderr
     logits = 16 * 1000 * 4  # tiny: 16 tokens x vocab 1000 floats, alive at the end of every run
     assert all(peak[name] >= peak["raw"] >= logits for name in ("hooks", "interlace", "twin"))
     for name in ("interlace", "twin"):
