@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import types
 import weakref
 
 import pytest
