@@ -254,3 +254,25 @@ def test_gradients_per_item(gpt2, model, corrupt):
     assert calls.sizes == [1, 1, 1]  # each item's backward pass needs the graph to itself
     assert sweep.chosen_batch_size == 1
     assert_clean(gpt2)
+
+
+def test_each_item_starts_from_the_callers_variables(model, corrupt):
+    """What one item's body assigns is never seen by another item (as in separate traces)."""
+    count = 0
+    seen = []
+    with torch.no_grad(), model.sweep(range(5), input=corrupt, batch_size=2,
+                                      progress=False) as sweep:
+        count += 1
+        total = float(count).save()
+        if sweep.item == 1:
+            only_one = 7.5
+        try:
+            marker = float(only_one).save()
+        except NameError:
+            marker = None
+        seen.append(marker)  # a side effect on the caller's list: each item appends once
+        h = model.transformer.h[0].output[:, 0, :2].save()
+    assert total == [1.0] * 5 and count == 0
+    assert seen == [None, 7.5, None, None, None]
+    assert marker == [None, 7.5, None, None, None]
+    assert len(h) == 5

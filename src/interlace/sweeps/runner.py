@@ -256,12 +256,8 @@ class Runner:
             self.run(entries[half:], done)
             return
         except Exception as error:
-            failed = item_of(error)
-            if failed is not None:
-                before = [e for e in entries if e.index < failed]
-                if before:
-                    self.run(before, done)
-                raise
+            if item_of(error) is not None:
+                raise  # run_window finishes the items before it (in this batch and others)
             if len(entries) == 1:
                 name_item(error, entries[0].index, entries[0].item)
                 raise
