@@ -38,6 +38,31 @@ def test_attributes_fall_through(gpt2, gpt2_model):
     assert gpt2_model.training is gpt2.training
 
 
+def test_an_envoy_is_always_truthy(gpt2, gpt2_model):
+    """A leaf has no children: without __bool__, bool() would fall back to len() == 0."""
+    leaf = gpt2_model.transformer.h[0].mlp.c_fc
+    assert len(leaf) == 0 and len(gpt2.transformer.h[0].mlp.c_fc._modules) == 0
+    assert bool(leaf) is True
+    taken = "then" if leaf else "else"
+    assert taken == "then"
+    assert all(bool(e) for e in (gpt2_model, gpt2_model.transformer.h, gpt2_model.lm_head))
+
+
+def test_a_child_held_alone_keeps_working(gpt2, ids):
+    """`layer = model.transformer.h[0]`, then the wrapper is dropped: the child still works
+    (it holds its module and the model's state, not its root)."""
+    model = interlace.Model(gpt2)
+    layer = model.transformer.h[0]
+    del model
+    assert layer.mlp._module is gpt2.transformer.h[0].mlp
+    assert layer.mlp._path == "model.transformer.h.0.mlp"
+    with pytest.raises(InterlaceError, match=r"model\.transformer\.h\.0\.output is only available "
+                                             r"inside a `with model\.trace\(\.\.\.\)` block"):
+        layer.output  # noqa: B018
+    with torch.no_grad():
+        torch.testing.assert_close(layer(gpt2.transformer.wte(ids)), gpt2.transformer.h[0](gpt2.transformer.wte(ids)))
+
+
 def test_missing_submodule_lists_children(gpt2_model):
     with pytest.raises(AttributeError) as info:
         gpt2_model.transformer.h[0].mlpp

@@ -1,10 +1,20 @@
-"""10,000 traces that each save one output and drop it: nothing accumulates."""
+"""Memory: nothing accumulates over many traces, and nothing of a run is held after it.
+
+- 10,000 traces that each save one output and drop it: nothing accumulates.
+- Once the user lets go of the wrapper, the saved values (and any error), the module and
+  every tensor of the run are freed by reference counting alone, whatever the run did
+  (see `memcheck`), in the main thread and in a worker thread.
+"""
 
 import gc
+import weakref
 
+import pytest
 import torch
 
 import interlace
+
+from .memcheck import assert_freed, collector_off, watch
 
 
 def _rss_mib():
@@ -33,3 +43,170 @@ def test_ten_thousand_traces_do_not_grow(mlp):
     gc.collect()
     assert len(gc.get_objects()) <= objects
     assert _rss_mib() - rss < 5.0
+
+
+# -- freed by reference counting alone once the user lets go ---------------------------------
+# Each case traces a fresh GPT-2 (from a small config) three times, keeping what it saved;
+# when the run returns, the user's references (wrapper, module, saved values, any error)
+# are gone. `assert_freed` checks with the cyclic collector off that the module, the
+# wrapper, the saved values and every tensor of the run were freed.
+
+IDS = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(3))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def _single(model):
+    with model.trace(IDS):
+        h = model.transformer.h[0].output.save()
+        model.transformer.h[1].mlp.output[:] = 0
+        logits = model.lm_head.output.save()
+    return h, logits
+
+
+def _invokes(model):
+    with model.trace() as tracer:
+        with tracer.invoke(IDS[:1]):
+            h = model.transformer.h[0].output[:, -1].save()
+        with tracer.invoke(IDS[1:]):
+            model.transformer.h[0].output[:, -1] = h
+            logits = model.lm_head.output.save()
+    return h, logits
+
+
+def _backward(model):
+    with model.trace(IDS):
+        h = model.transformer.h[0].output
+        loss = model.lm_head.output.logsumexp(-1).mean()
+        with loss.backward():
+            g = h.grad.save()
+    return (g,)
+
+
+def _error_in_body(model):
+    with pytest.raises(ValueError, match="boom"):
+        with model.trace(IDS):
+            h = model.transformer.h[0].output.save()  # noqa: F841
+            raise ValueError("boom")
+    return ()
+
+
+def _out_of_order(model):
+    with pytest.raises(interlace.OutOfOrderError):
+        with model.trace(IDS):
+            h = model.transformer.h[1].output.save()  # noqa: F841
+            model.transformer.h[0].output  # noqa: B018
+    return ()
+
+
+def _out_of_order_caught_in_body(model):
+    with model.trace(IDS):
+        h = model.transformer.h[1].output.save()
+        try:
+            model.transformer.h[0].output  # noqa: B018
+        except interlace.OutOfOrderError:
+            pass
+        logits = model.lm_head.output.save()
+    return h, logits
+
+
+def _error_in_backward_body(model):
+    with pytest.raises(ValueError, match="boom"):
+        with model.trace(IDS):
+            h = model.transformer.h[0].output
+            loss = model.lm_head.output.sum()
+            with loss.backward():
+                g = h.grad.save()  # noqa: F841
+                raise ValueError("boom")
+    return ()
+
+
+def _keyboard_interrupt_in_body(model):
+    with pytest.raises(KeyboardInterrupt):
+        with model.trace(IDS):
+            h = model.transformer.h[0].output.save()  # noqa: F841
+            raise KeyboardInterrupt()
+    return ()
+
+
+def _keyboard_interrupt_from_a_hook(model):
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt()
+
+    handle = model.transformer.h[1]._module.register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with model.trace(IDS):
+                h = model.transformer.h[0].output.save()  # noqa: F841
+                logits = model.lm_head.output.save()  # noqa: F841 - parked when it hits
+    finally:
+        handle.remove()
+    return ()
+
+
+def _stop(model):
+    with model.trace(IDS) as tracer:
+        h = model.transformer.h[0].output.save()
+        tracer.stop()
+    return (h,)
+
+
+def _skip(model):
+    with model.trace(IDS):
+        model.transformer.h[1].skip(model.transformer.h[0].output)
+        logits = model.lm_head.output.save()
+    return (logits,)
+
+
+def _iter_cut_short(model):
+    with pytest.warns(interlace.IterationCutShortWarning):
+        with model.trace(IDS) as tracer:
+            steps = [].save()
+            for _ in tracer.iter[:3]:
+                steps.append(model.lm_head.output)
+    return steps
+
+
+CASES = {f.__name__.lstrip("_"): f for f in (
+    _single, _invokes, _backward, _error_in_body, _out_of_order, _out_of_order_caught_in_body,
+    _error_in_backward_body, _keyboard_interrupt_in_body, _keyboard_interrupt_from_a_hook,
+    _stop, _skip, _iter_cut_short,
+)}
+
+
+def _traced(case):
+    def run():
+        module = _gpt2()
+        model = interlace.Model(module)
+        refs = {"module": weakref.ref(module), "wrapper": weakref.ref(model)}
+        kept = []
+        for i in range(3):
+            saved = case(model)
+            kept.append(saved)
+            watch(refs, f"saved by trace {i}", saved)
+        assert i == 2 and len(kept) == 3
+        return refs
+
+    return run
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_run_is_freed_by_refcounting_once_the_user_lets_go(case, where):
+    assert_freed(_traced(CASES[case]), where)
+
+
+def test_a_wrapped_model_is_not_a_reference_cycle(gpt2):
+    """Walking the Envoy tree and dropping the wrapper frees every Envoy at once."""
+    with collector_off():
+        model = interlace.Model(gpt2)
+        leaf = model.transformer.h[1].mlp.c_fc
+        refs = [weakref.ref(model), weakref.ref(leaf), weakref.ref(model.transformer.h)]
+        del model, leaf
+        assert [r() for r in refs] == [None, None, None]
