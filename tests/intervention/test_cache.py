@@ -176,6 +176,19 @@ def test_navigation_forms(gpt2, gpt2_model):
     assert dict(cache.items())["model.lm_head"].output is cache.model.lm_head.output
 
 
+def test_a_cache_pickles_without_its_model(gpt2_model):
+    import io
+
+    with torch.no_grad(), gpt2_model.trace(IDS) as tracer:
+        cache = tracer.cache(modules=gpt2_model.transformer.h)
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert list(loaded) == list(cache)
+    assert torch.equal(loaded.model.transformer.h[1].output, cache.model.transformer.h[1].output)
+
+
 def test_a_module_called_twice_gives_a_list(mlp):
     shared = torch.nn.Linear(6, 6)
     module = torch.nn.Sequential(shared, torch.nn.ReLU(), shared).eval()

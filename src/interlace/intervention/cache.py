@@ -123,6 +123,11 @@ class Cache(Mapping):
         self._include_output = include_output
         self._include_inputs = include_inputs
 
+    def __getstate__(self):
+        # the weak reference to the model cannot be pickled (and a model is not wanted in a
+        # `torch.save`d cache): paths navigate without it
+        return {**self.__dict__, "_root": None}
+
     # -- recording (model side) ---------------------------------------------------------
 
     def _recorder(self, path, slot, rows, total, snapshot):
