@@ -57,12 +57,26 @@ def test_saved_by_identity_under_any_name():
     assert first is alias and not has_other
 
 
+@pytest.fixture
+def only_our_save():
+    """For tests of interlace's own `.save`: hide a foreign `save` that an earlier test left
+    mounted in this process (importing nnsight mounts its own) while they run."""
+    assert save_module.mount() is True
+    with save_module._LOCK:
+        displaced, save_module._Mount.displaced = save_module._Mount.displaced, None
+    try:
+        yield
+    finally:
+        with save_module._LOCK:
+            save_module._Mount.displaced = displaced
+
+
 def test_save_outside_a_trace_raises_value_error():
     with pytest.raises(ValueError, match=r"save\(\) was called outside a trace"):
         save(1)
 
 
-def test_method_save_outside_a_trace_raises_value_error():
+def test_method_save_outside_a_trace_raises_value_error(only_our_save):
     with pytest.raises(ValueError, match=r"\.save\(\) was called on a list outside a trace"):
         [1, 2].save()
     with pytest.raises(ValueError, match=r"on a Tensorish outside a trace"):
@@ -323,7 +337,7 @@ def test_save_stays_on_while_another_thread_imports(tmp_path):
     assert out == "{'kept': [7]} True False True"
 
 
-def test_classes_read_save_as_a_function_and_modules_have_none():
+def test_classes_read_save_as_a_function_and_modules_have_none(only_our_save):
     """`torch.compile` reads every name of `dir(torch.Tensor)`; pybind11 probes modules."""
     import types
 
@@ -364,8 +378,7 @@ COPIED = Copier().run()
 '''
 
 
-def test_imports_that_walk_dir_do_not_see_save(tmp_path, monkeypatch):
-    assert save_module.mount() is True
+def test_imports_that_walk_dir_do_not_see_save(tmp_path, monkeypatch, only_our_save):
     (tmp_path / "strict_dir_walker.py").write_text(STRICT_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("strict_dir_walker")
