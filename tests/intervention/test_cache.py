@@ -295,3 +295,25 @@ def test_a_run_with_a_cache_is_freed_by_refcounting():
         return refs
 
     assert_freed(run)
+
+
+def test_unchanged_tensors_share_one_copy_changed_ones_do_not(gpt2, gpt2_model):
+    """GPT-2's mlp.c_proj, mlp.dropout and mlp output one tensor: one copy serves all three,
+    until an in-place edit changes it (then the later entries get a copy of their own)."""
+    with torch.no_grad(), gpt2_model.trace(IDS) as tracer:
+        cache = tracer.cache()
+    mlp = cache.model.transformer.h[0].mlp
+    assert mlp.c_proj.output is mlp.dropout.output is mlp.output
+    with torch.no_grad(), gpt2_model.trace(IDS) as tracer:
+        cache = tracer.cache()
+        gpt2_model.transformer.h[0].mlp.dropout.output[:, 0] = 0
+    mlp = cache.model.transformer.h[0].mlp
+    assert mlp.dropout.output is mlp.output and mlp.c_proj.output is not mlp.output
+    assert mlp.c_proj.output[:, 0].abs().sum() > 0 and mlp.output[:, 0].abs().sum() == 0
+
+
+def test_inference_mode(gpt2, gpt2_model):
+    with torch.inference_mode(), gpt2_model.trace(IDS) as tracer:
+        cache = tracer.cache(modules=[gpt2_model.transformer.h[1], gpt2_model.lm_head])
+    want, _, _ = plain_capture(gpt2, IDS)
+    assert same(cache.model.lm_head.output, want["model.lm_head"][0])

@@ -92,10 +92,19 @@ def _apply(value, fn):
 
 
 def _snapshotter(device, dtype, detach, non_blocking):
-    """The per-tensor copy a cache keeps (see the module docstring)."""
-    move = device is not None or dtype is not None
+    """The per-tensor copy a cache keeps (see the module docstring), and its memo.
 
-    def snapshot(t):
+    Many modules pass a tensor on unchanged (GPT-2's `mlp.c_proj`, `mlp.dropout` and `mlp`
+    output one tensor; the root's logits are `lm_head`'s): a tensor seen again with the same
+    version counter (no in-place change since) reuses its copy. The memo holds weak
+    references only, so it keeps no activation alive during the run; it is dropped at the
+    end of the run (`memo.clear`).
+    """
+    move = device is not None or dtype is not None
+    memo = {}
+    ref = weakref.ref
+
+    def copy(t):
         if detach:
             t = t.detach()
         if move:
@@ -103,7 +112,20 @@ def _snapshotter(device, dtype, detach, non_blocking):
             return out.clone() if out is t else out
         return t.clone()
 
-    return snapshot
+    def snapshot(t):
+        key = id(t)
+        try:
+            version = t._version
+        except RuntimeError:  # an inference-mode tensor has no version counter: always copy
+            return copy(t)
+        hit = memo.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            return hit[2]
+        out = copy(t)
+        memo[key] = (ref(t), version, out)
+        return out
+
+    return snapshot, memo.clear
 
 
 class Cache(Mapping):
@@ -406,7 +428,8 @@ def make_cache(tracer, modules=None, device=torch.device("cpu"), dtype=None, det
     generating = bool(getattr(tracer._run, "generates", False))
     cache = Cache(tuple(state.paths), root=model, steps=generating,
                   include_output=include_output, include_inputs=include_inputs)
-    snapshot = _snapshotter(device, dtype, detach, non_blocking)
+    snapshot, forget = _snapshotter(device, dtype, detach, non_blocking)
+    interleaver.cleanups.append(forget)
     rows, total = mediator.rows, interleaver.total
     for index in keys:
         path = state.paths[index]
