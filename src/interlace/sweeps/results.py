@@ -139,6 +139,17 @@ def compact(value):
     return value
 
 
+def to_cpu(value):
+    """`value` with every tensor on an accelerator copied to the CPU (lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else value.cpu()
+    if type(value) is dict:
+        return {k: to_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
 def _pins_more(tensor):
     """Does `tensor` keep alive more memory than its own elements?"""
     if tensor.is_sparse or tensor.layout != torch.strided:

@@ -70,9 +70,14 @@ def _run(sweep, job):
     if not ray.is_initialized():
         ray.init()
     model = sweep.model
-    actors = _actors(ray, model, sweep.workers)
     payload = ray.put(_dump_body(sweep, job))
-    ray.get([a.load.remote(payload) for a in actors])
+    actors = _actors(ray, model, sweep.workers)
+    try:
+        ray.get([a.load.remote(payload) for a in actors])
+    except Exception:  # noqa: BLE001 - a kept actor died (or its cluster went): make new ones
+        release(model)
+        actors = _actors(ray, model, sweep.workers)
+        ray.get([a.load.remote(payload) for a in actors])
     total = length_of(sweep.items)
     bar = progress_bar(sweep, total)
     results = sweep.results
@@ -136,7 +141,8 @@ def _actors(ray, model, workers):
     gpus = int(resources.get("GPU", 0))
     count = workers or gpus or max(1, int(resources.get("CPU", 1)))
     on_gpu = gpus > 0
-    key = (count, on_gpu, _fingerprint(model._module), ray.get_runtime_context().get_job_id())
+    context = ray.get_runtime_context()  # a new cluster has new node ids (job ids restart)
+    key = (count, on_gpu, _fingerprint(model._module), context.get_node_id(), context.get_job_id())
     pool = _POOLS.get(model)
     if pool is not None and pool.key == key:
         return pool.actors
@@ -468,11 +474,17 @@ class _Worker:
     def run(self, entries, size):
         """Run `entries` as the local executor would: (finished (index, values), error, this
         worker's number, its batch size now)."""
+        import torch
+
+        from ..results import to_cpu
+
         finished = []
+        on_gpu = torch.cuda.is_available()
 
         class Collect:
             def __call__(self, entry, values):
-                finished.append((entry.index, values))
+                # a worker's GPU is not the driver's: results travel back on the CPU
+                finished.append((entry.index, to_cpu(values) if on_gpu else values))
 
             def has(self, index):
                 return any(i == index for i, _ in finished)
