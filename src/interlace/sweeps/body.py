@@ -3,11 +3,14 @@
 A sweep captures its `with` block once and runs the body once per item, possibly many items
 in one forward pass. Each run must behave as if it were the only trace: its own `.save()`
 set, its own locals (a fresh copy of the caller's variables), and, when it ends, only the
-values it saved. This is the one module that reaches into the tracer core's internals (the
-trace-state ContextVar and `Tracer.execute`), so that porting to a public "deferred body"
-API later touches only this file. (`Tracer.run_body` runs a body in the trace state
-`tracer._state`; each item sets its own there just before its body starts, and the sweep's
-own state is put back when the items have run: `own_state`.)
+values it saved. This is the one module that reaches into the tracer core's internals, so
+that porting to a public "deferred body" API later touches only this file:
+
+- `Tracer.run_body(namespace)` runs the body in the trace state `tracer._state`: each item
+  sets its own `TraceState` there just before its body starts (`ItemBody`), and the sweep's
+  own state is put back when the items have run (`own_state`);
+- `tracer._frame.f_locals` is read once per sweep: every item starts from that snapshot
+  (`caller_namespace`).
 """
 
 from __future__ import annotations
@@ -25,18 +28,17 @@ class ItemBody:
     """The mediator's job for one item: run the body, keep what it saved.
 
     `saved` is the name -> value mapping of the names the body assigned *and* saved (set when
-    the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved).
-    `failed` tells a batch which item raised.
+    the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved). An
+    error the body raises is marked with the item (`item_of`).
     """
 
-    __slots__ = ("job", "index", "item", "saved", "failed", "iter_rows")
+    __slots__ = ("job", "index", "item", "saved", "iter_rows")
 
     def __init__(self, job, index, item):
         self.job = job
         self.index = index
         self.item = item
         self.saved = None
-        self.failed = False
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
 
     def __call__(self):
@@ -51,7 +53,6 @@ class ItemBody:
             values = _locals_at(signal, tracer.block)
             raise
         except Exception as error:
-            self.failed = True
             name_item(error, self.index, self.item)
             raise
         finally:
