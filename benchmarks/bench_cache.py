@@ -1,6 +1,6 @@
 """`tracer.cache()` against plain torch hooks capturing the same tensors, side by side.
 
-    python benchmarks/bench_cache.py [--rounds 60] [--tokens 32] [--threads 1]
+    python benchmarks/bench_cache.py [--rounds 40] [--tokens 32] [--threads 1]
     INTERLACE_NO_EXTENSIONS=1 python benchmarks/bench_cache.py   # the pure-Python twin
 
 Model: GPT-2 small's shape from a `transformers` config (12 layers, n_embd 768, 12 heads,
@@ -18,7 +18,7 @@ Cases (issue 10's goal in brackets):
                 than the cloning hooks do
   cache_blocks  `tracer.cache(modules=model.transformer.h)`: the 12 blocks' outputs
                 vs the same hooks on the 12 blocks only
-The default run takes well under a minute (about 25 s on a 2-core VM).
+The default run takes about a minute on a 2-core VM.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ GOALS = {"cache_all": 1.10}
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
