@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 import warnings
 
 import torch
@@ -149,6 +150,11 @@ class ModelState:
         # above result_key, allocated on first use and stable for the model's life.
         self.extra = {}  # owner -> first key of its block
         self.extra_names = []
+        # The Envoy of each module index, weakly (the root's tree owns them): one Envoy per
+        # module even when two paths reach it. Aliases (rename=): {envoy path: {alias: path}}.
+        self.envoys = weakref.WeakValueDictionary()
+        self.aliases = {}
+        self.envoy_classes = None  # Model(..., envoys=): which Envoy class wraps which module
 
     def add_locations(self, owner, names):
         """The first of `len(names)` keys for locations `owner` adds (the same keys every time)."""
@@ -225,6 +231,9 @@ class Interleaver:
         self.root_call = False  # the run is one call of the root: its events are fired by hand
         self.extensions = {}  # per-run state of features built on this engine (source.py)
         self.cleanups = []  # callables that undo what those features installed, run at teardown
+        self.observers = {}  # key -> [fn(occ, value)]: see post-edit values (cache.py)
+        self.held = {}  # mediator -> what holds it (a Barrier, barrier.py), until released
+        self.released = []  # held bodies let go: resumed when the body running now pauses
 
     # -- building -----------------------------------------------------------------------
 
@@ -288,7 +297,9 @@ class Interleaver:
         else:
             self._hook(0)
 
-        if len(self.mediators) > 1:
+        # invokes share variables (bodies with `assigns`; a model's edits have none)
+        if len(self.mediators) > 1 and sum(
+                getattr(m.fn, "assigns", None) is not None for m in self.mediators) > 1:
             self.shared = [{} for _ in self.mediators]
         for mediator in self.mediators:
             self.current = mediator
@@ -299,8 +310,11 @@ class Interleaver:
             self._handle(mediator, message)
             if self.stopped or self.failure is not None:
                 break
-            if self.shared is not None:
-                self._share(mediator, None)
+            if self.shared is not None or self.held or self.released:
+                try:
+                    self._share(mediator, None)
+                except (_Abort, _Stop):
+                    pass  # a body it resumed failed or stopped: recorded by `_handle`
                 if self.stopped or self.failure is not None:
                     break
         aborted = stopped = False
@@ -377,7 +391,8 @@ class Interleaver:
             mediator.cancel()  # nothing more can come for it
     def _finish_parked(self):
         """The run is over: every body still waiting learns why (error, cut short, stop)."""
-        if not self.name_waiters and not self.hub.nparked and self.stopper is None:
+        if (not self.name_waiters and not self.hub.nparked and self.stopper is None
+                and not self.held and not self.released):
             return
         for name, mediator in self.name_waiters:
             if not mediator.finished:
@@ -397,11 +412,25 @@ class Interleaver:
                 signal = StopSignal()
             elif mediator.pointer.depth > 0:
                 message = self._cut_short_message(key, occ)
-                self.cut_short.append((message, *_user_line(mediator)))
+                if not getattr(mediator.fn, "quiet", False):  # an edit's loop ends quietly
+                    self.cut_short.append((message, *_user_line(mediator)))
                 signal = IterationCutShort(message)
             else:
                 signal = OutOfOrderError(self._never_message(key, occ))
             self._end_with(mediator, signal)
+        while self.held or self.released:  # barriers (barrier.py)
+            while self.released:
+                mediator = self.released.pop(0)
+                if not mediator.finished:
+                    self._end_with(mediator, None)  # a request now says the run has ended
+            held = list(self.held.items())
+            self.held = {}
+            signals = [StopSignal() if self.stopped else holder.never_filled(self, mediator)
+                       for mediator, holder in held]
+            for (mediator, holder), signal in zip(held, signals):
+                holder.drop(mediator)
+                if not mediator.finished:
+                    self._end_with(mediator, signal)
         for message, filename, lineno in self.cut_short:
             warnings.warn_explicit(IterationCutShortWarning(message), IterationCutShortWarning,
                                    filename, lineno)
@@ -420,7 +449,7 @@ class Interleaver:
             waiters.sort(key=_invoke_order)
         for mediator in waiters:
             self._resume(mediator, event)
-            if self.shared is not None:
+            if self.shared is not None or self.held or self.released:
                 self._share(mediator, event)
 
     def _resume(self, mediator, event, payload=None):
@@ -446,11 +475,24 @@ class Interleaver:
     # bound the name yet waits for it (the model runs on meanwhile).
 
     def _share(self, mediator, event):
-        """`mediator` paused or ended: publish its variables, wake bodies waiting for them."""
-        self._publish(mediator)
+        """`mediator` paused or ended: publish its variables, wake bodies waiting for them
+        (for a variable, or released from a barrier)."""
+        if self.shared is not None:
+            self._publish(mediator)
+        if self.held and mediator.finished:
+            self._check_held(event)
         progress = True
-        while progress and self.name_waiters:
+        while progress and (self.name_waiters or self.released):
             progress = False
+            while self.released:
+                waiter = self.released.pop(0)
+                progress = True
+                if self.failure is None and not self.stopped and not waiter.finished:
+                    self._resume(waiter, event)
+                    if self.shared is not None:
+                        self._publish(waiter)
+                    if self.held and waiter.finished:
+                        self._check_held(event)
             for entry in list(self.name_waiters):
                 name, waiter = entry
                 if self._resolve(name, waiter) is _WAIT:
@@ -533,6 +575,47 @@ class Interleaver:
             mediator.event = None
             mediator.wait(PARKED)
 
+    # -- observers and holds (cache.py, barrier.py) ------------------------------------------
+
+    def observe(self, key, fn):
+        """Body side: call `fn(occ, value)` at every occurrence of `key` from now on, with the
+        value as the model passes it on (after every body waiting there was served)."""
+        self.observers.setdefault(key, []).append(fn)
+        self._hook(key)
+
+    def _observe(self, key, occ, value):
+        fns = self.observers.get(key)
+        if fns:
+            for fn in fns:
+                fn(occ, value)
+
+    def hold(self, mediator, holder):
+        """Body side: park `mediator` (the model runs on) until another body `release`s it.
+
+        Whenever a body ends, `holder.hopeless(interleaver, mediator)` may return an error
+        to end the wait with; if the run ends first, the body gets
+        `holder.never_filled(interleaver, mediator)`; `holder.drop(mediator)` forgets it.
+        """
+        self.held[mediator] = holder
+        mediator.event = None
+        mediator.wait(PARKED)
+
+    def release(self, mediator):
+        """Body side: a held body goes on, at the model's current place, as soon as the
+        calling body pauses or ends."""
+        if self.held.pop(mediator, None) is not None:
+            self.released.append(mediator)
+
+    def _check_held(self, event):
+        """A body ended: end the wait of held bodies that can no longer be released."""
+        ended = [(m, holder, holder.hopeless(self, m)) for m, holder in self.held.items()]
+        for mediator, holder, error in ended:
+            if error is not None and self.held.pop(mediator, None) is not None:
+                holder.drop(mediator)
+        for mediator, _, error in ended:
+            if error is not None and self.failure is None and not self.stopped:
+                self._resume(mediator, event, error)
+
     # -- hooks ---------------------------------------------------------------------------
 
     def _hook(self, key):
@@ -555,6 +638,7 @@ class Interleaver:
 
     def _pre(self, key):
         hub = self.hub
+        observers = self.observers
         thread = self.thread
         get_ident = threading.get_ident
 
@@ -564,9 +648,13 @@ class Interleaver:
             occ = hub.fire(key)
             waiters = hub.take(key, occ)
             if waiters is None:
+                if observers:
+                    self._observe(key, occ, (args, kwargs))
                 return None
             event = Event(key, occ, (args, kwargs))
             self._serve(event, waiters)
+            if observers:
+                self._observe(key, occ, event.value)
             if event.replaced:
                 return event.value
             return None
@@ -579,6 +667,7 @@ class Interleaver:
         get_ident = threading.get_ident
         index = key >> 1
         skips = self.skips
+        observers = self.observers
 
         def post_hook(module, args, output):
             if self.bypass or get_ident() != thread:
@@ -593,9 +682,13 @@ class Interleaver:
                     replaced = True
             waiters = hub.take(key, occ)
             if waiters is None:
+                if observers:
+                    self._observe(key, occ, output)
                 return output if replaced else None
             event = Event(key, occ, output)
             self._serve(event, waiters)
+            if observers:
+                self._observe(key, occ, event.value)
             if event.replaced or replaced:
                 return event.value
             return None
@@ -643,15 +736,22 @@ class Interleaver:
         self.mediators = []
         self.shared = None
         self.name_waiters = []
+        self.observers = {}
+        self.held = {}
+        self.released = []
 
     # -- added locations (source.py) ----------------------------------------------------------
 
-    def add_locations(self, owner, names):
+    def add_locations(self, owner, names, within=None):
         """Keys for locations without a module hook (see `ModelState.add_locations`).
 
         They are counted exactly from now on in this run; their events are fired by whoever
-        added them, through `handoff`.
+        added them, through `handoff`. `within` is the key of the module input they happen
+        inside: it is hooked, so that while they fire the position in the learned order
+        (what "already passed" is derived from for unhooked modules) is current.
         """
+        if within is not None:
+            self._hook(within)
         state = self.state
         base = state.add_locations(owner, names)
         hub = self.hub
