@@ -38,3 +38,32 @@ def test_dropping_the_pool_frees_its_workers(mlp_model, x6):
     assert mediator._pool.idle
     mediator._pool.idle.clear()
     assert _suspended_outside_the_pool() == []
+
+
+def test_a_worker_made_inside_a_trace_body_is_not_reused(tmp_path):
+    """A trace nested in a Tracer's body, then a trace where torch raises after a hook: the
+    nested trace's worker was pooled and reusing it crashed the process (natively)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "nested_then_raise.py"
+    script.write_text(
+        "import torch, interlace\n"
+        "model = interlace.Model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))\n"
+        "x = torch.randn(2, 4)\n"
+        "def first():\n"
+        "    with interlace.Tracer():\n"
+        "        with model.trace(x):\n"
+        "            if x is None:\n"
+        "                raise ValueError\n"
+        "def second():\n"
+        "    try:\n"
+        "        with model.trace(x):\n"
+        "            model[0].output[:] = torch.ones(3)\n"
+        "    except RuntimeError:\n"
+        "        print('raised')\n"
+        "first(); second(); second(); print('done')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["raised", "raised", "done"]

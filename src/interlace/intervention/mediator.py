@@ -17,6 +17,7 @@ import torch
 from greenlet import getcurrent, greenlet
 
 from .._native import hotpath
+from ..tracing.save import current as _trace_running
 
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -107,7 +108,15 @@ class Mediator:
     def start(self):
         """Run the body until its first request (or its end). Returns a message."""
         idle = _pool.idle
-        worker = idle.pop() if idle else _new_worker()
+        if idle:
+            worker = idle.pop()
+        else:
+            worker = _new_worker()
+            # A worker made while another trace body runs (a trace nested in a Tracer's body)
+            # starts deeper in the C stack than a later trace would resume it from; reusing
+            # such a worker crashed natively when torch raised inside the next body. It does
+            # this one job only.
+            worker.single_use = _trace_running() is not None
         worker.parent = getcurrent()
         self.worker = worker
         self.body_grad = _is_grad_enabled()
@@ -146,7 +155,8 @@ class Mediator:
         worker = self.worker
         self.worker = None
         self.finished = True
-        if worker is not None and not worker.dead and len(_pool.idle) < _POOL_MAX:
+        if (worker is not None and not worker.dead and len(_pool.idle) < _POOL_MAX
+                and not worker.single_use):
             _pool.idle.append(worker)
 
     # -- body side ----------------------------------------------------------------------
