@@ -9,7 +9,9 @@ from ._native import native
 from .errors import (
     InterlaceError,
     IterationCutShortWarning,
+    NotInTraceError,
     OutOfOrderError,
+    SourceNotAvailable,
     UnsupportedBlockError,
     WithBlockNotFoundError,
 )
@@ -21,7 +23,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "Model": ("interlace.models.model", "Model"),
     "NNsight": ("interlace.models.model", "Model"),
-    "Envoy": ("interlace.intervention.envoy", "Envoy"),
+    # via models.model, which makes `Envoy(module)` a traceable root (as in nnsight 0.8)
+    "Envoy": ("interlace.models.model", "Envoy"),
+    "eproperty": ("interlace.intervention.envoy", "eproperty"),
+    "traceable": ("interlace.intervention.envoy", "traceable"),
     "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
     "TransformersModel": ("interlace.models.language_model", "TransformersModel"),
 }
@@ -32,7 +37,9 @@ __all__ = [
     "WithBlockNotFoundError",
     "UnsupportedBlockError",
     "OutOfOrderError",
+    "NotInTraceError",
     "IterationCutShortWarning",
+    "SourceNotAvailable",
     "Tracer",
     "Backend",
     "save",

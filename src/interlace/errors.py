@@ -24,8 +24,22 @@ class UnsupportedBlockError(InterlaceError):
     """
 
 
+class NotInTraceError(InterlaceError, ValueError):
+    """A value that exists only while a trace runs (`.output`, `.input`, ...) was used outside
+    one. A `ValueError` too, as nnsight raises for the same mistake."""
+
+
 class OutOfOrderError(InterlaceError):
     """A value was requested after the model had passed it, or from a module that never ran."""
+
+
+class SourceNotAvailable(InterlaceError):
+    """`.source` needs Python source, and there is none to read for this forward or call.
+
+    The message names the module (or the operation) and why: a builtin or C function, code
+    compiled from a string, a call into a submodule (which has its own `.source`), an
+    assignment (which calls nothing).
+    """
 
 
 class IterationCutShortWarning(UserWarning):

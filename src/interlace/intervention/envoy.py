@@ -4,24 +4,67 @@
 that is not a submodule falls through to the module itself. An Envoy installs nothing on its
 module: outside a trace the model is exactly the module the user gave us (no hooks, its own
 `forward`), and inside a trace only the locations a body asks for get hooked.
+
+The tree has no reference cycle, so a wrapped model is freed by reference counting alone
+(on a GPU its memory comes back the moment the user's last reference goes, not at the next
+cyclic collection): the root holds its children (a cache), and each child holds only its
+module and the model's `ModelState` (which holds modules, never Envoys), not its root. A
+child therefore keeps working when the user holds it alone (`layer = model.transformer.h[0]`,
+then `del model`); it still needs a trace of its model to read values, and a trace holds the
+model for as long as it runs.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
+import weakref
+
 import torch
 
-from ..errors import InterlaceError
+from ..errors import InterlaceError, NotInTraceError
+from .source import module_source
+
+
+# The class a root made as `Envoy(module)` becomes (nnsight 0.8 lets users trace an Envoy
+# directly): `models.Model`, which registers itself here so that this layer never imports
+# `models`.
+ROOT_CLASS: list = []
+
+# Prefix for a submodule whose name an Envoy serves itself (BERT's `output`): `.E_output`.
+COLLISION_PREFIX = "E_"
 
 
 class Envoy:
-    """A submodule seen from a trace body: `.output`, `.input`, `.inputs`, `.skip()`."""
+    """A submodule seen from a trace body: `.output`, `.input`, `.inputs`, `.skip()`.
 
-    def __init__(self, module: torch.nn.Module, path: str = "model", *, _root=None, _index=0):
+    `Envoy(module)` makes a traceable root (a `Model`); children are Envoys too. Links up
+    the tree (`parent`, `root`) are weak: the tree is owned top-down, so dropping the root
+    frees the model by reference counting.
+    """
+
+    def __new__(cls, module=None, *args, _state=None, **kwargs):
+        if cls is Envoy and _state is None and ROOT_CLASS:
+            cls = ROOT_CLASS[0]  # `Envoy(module)`: a root that can trace
+        return object.__new__(cls)
+
+    def __init__(self, module: torch.nn.Module, path: str = "model", *, _state=None, _index=0,
+                 _parent=None):
+        if _state is None:  # a root made without `models` loaded: it has a tree, no trace()
+            from .interleaver import ModelState
+
+            _state = ModelState(module)
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_root", self if _root is None else _root)
+        object.__setattr__(self, "_state", _state)  # the model's ModelState (no Envoy in it)
         object.__setattr__(self, "_index", _index)
         object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_parent", None if _parent is None else weakref.ref(_parent))
+
+    def __bool__(self):
+        # Without it `bool()` falls back to `__len__` (the number of submodules), so a leaf
+        # would be falsy and `if model.transformer.h[0].mlp.c_fc:` would take the else branch.
+        return True
 
     # -- the tree ----------------------------------------------------------------------------
 
@@ -29,14 +72,23 @@ class Envoy:
         child = self._children.get(name)
         if child is None:
             module = self._module._modules[name]
-            root = self._root
-            index = root._state_for_tree().index.get(id(module))
-            child = Envoy(module, f"{self._path}.{name}", _root=root, _index=index)
+            state = self._state
+            index = state.index.get(id(module))
+            # A module reachable at two paths has one Envoy, at its first path (as torch's
+            # named_modules lists it), whichever path the user walks first.
+            child = state.envoys.get(index) if index is not None else None
+            if child is None:
+                path = state.paths[index] if index is not None else f"{self._path}.{name}"
+                cls = _envoy_class(state.envoy_classes, module, path)
+                child = cls(module, path, _state=state, _index=index, _parent=self)
+                if index is not None:
+                    state.envoys[index] = child
             self._children[name] = child
         return child
 
     def __getattr__(self, name):
-        # Only called when normal lookup fails: submodules first, then the module's attributes.
+        # Only called when normal lookup fails: submodules first, then aliases (rename=),
+        # then the module's attributes.
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         module = self.__dict__.get("_module")
@@ -47,6 +99,13 @@ class Envoy:
             # next time a plain attribute hit (a submodule replaced later is not followed)
             self.__dict__[name] = child
             return child
+        if name.startswith(COLLISION_PREFIX):
+            real = name[len(COLLISION_PREFIX):]
+            if module._modules.get(real) is not None and real in SERVED:
+                return self._child(real)  # BERT's `output` submodule, as `.E_output`
+        aliases = self._state.aliases.get(self._path)
+        if aliases and name in aliases:
+            return self.get(aliases[name])
         try:
             return getattr(module, name)
         except AttributeError:
@@ -91,25 +150,136 @@ class Envoy:
         return len([m for m in self._module._modules.values() if m is not None])
 
     def __repr__(self):
-        return repr(self._module)
+        if not self._state.aliases:
+            return repr(self._module)
+        return _repr_with_aliases(self._module, self._path, self._state.aliases)
+
+    # -- the tree as data: what scripts walk ---------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """The module's dotted path from the root, `"model"` for the root itself."""
+        return self._path
+
+    @property
+    def parent(self):
+        """The Envoy this one was reached from (None for the root, or once the root is gone)."""
+        parent = self._parent
+        return None if parent is None else parent()
+
+    @property
+    def root(self):
+        """The top of the tree this Envoy belongs to (the wrapped model while it lives)."""
+        envoy = self
+        while (parent := envoy.parent) is not None:
+            envoy = parent
+        return envoy
+
+    def get(self, path: str):
+        """The Envoy (or, inside a trace, the value) at dotted `path` below this one:
+        `model.get("transformer.h.0.mlp")`, `model.get("transformer.h.0.mlp.output")`."""
+        found = self
+        for part in path.split("."):
+            if part.lstrip("-").isdigit() and isinstance(found, Envoy):
+                found = found[int(part)]
+            else:
+                found = getattr(found, part)
+        return found
+
+    def modules(self, include_fn=None, names=False) -> list:
+        """Every Envoy of this subtree, children before their parent (nnsight's order); a
+        module reachable at two paths is listed once. `include_fn(envoy)` filters;
+        `names=True` gives `(path, envoy)` pairs."""
+        result, seen, stack = [], set(), [(self, False)]
+        while stack:
+            envoy, expanded = stack.pop()
+            if expanded:
+                if include_fn is None or include_fn(envoy):
+                    result.append((envoy.path, envoy) if names else envoy)
+                continue
+            if id(envoy) in seen:
+                continue
+            seen.add(id(envoy))
+            stack.append((envoy, True))
+            stack.extend((child, False) for child in reversed(list(envoy)))
+        return result
+
+    def named_modules(self, include_fn=None) -> list:
+        """`modules(include_fn, names=True)`: `(path, envoy)` pairs."""
+        return self.modules(include_fn=include_fn, names=True)
+
+    @property
+    def device(self):
+        """The device of the module's first parameter (None when it has none)."""
+        for parameter in self._module.parameters():
+            return parameter.device
+        return None
+
+    @property
+    def devices(self) -> set:
+        """Every device the module's parameters live on."""
+        return {parameter.device for parameter in self._module.parameters()}
+
+    def to(self, *args, **kwargs):
+        """Move the module (in place, as torch does); returns this Envoy, not the module."""
+        self._module.to(*args, **kwargs)
+        return self
+
+    def cpu(self, *args, **kwargs):
+        self._module.cpu(*args, **kwargs)
+        return self
+
+    def cuda(self, *args, **kwargs):
+        self._module.cuda(*args, **kwargs)
+        return self
+
+    # -- deprecated spellings nnsight 0.8 still accepts ----------------------------------------
+
+    @property
+    def iter(self):
+        """Deprecated: `tracer.iter[...]` (this is the running trace's)."""
+        warnings.warn("model.iter is deprecated; use tracer.iter", DeprecationWarning, stacklevel=2)
+        from .iteration import Indexer
+
+        return Indexer(self._running_mediator)
+
+    def all(self):
+        """Deprecated: `tracer.all()` (this is the running trace's)."""
+        warnings.warn("model.all() is deprecated; use tracer.all()", DeprecationWarning, stacklevel=2)
+        from .iteration import Iteration
+
+        return Iteration(self._running_mediator, slice(None), text="all()")
+
+    def _running_mediator(self, what):
+        interleaver = self._active()
+        if interleaver is None or interleaver.current is None:
+            raise NotInTraceError(f"{what} works only inside the body of a running trace")
+        return interleaver.mediator(what)
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._module._modules) | set(dir(self._module)))
 
     # -- inside a trace ------------------------------------------------------------------------
 
+    def _active(self):
+        """The interleaver running a trace of this model in *this* thread, if any."""
+        state = self._state
+        if state.owner == threading.get_ident():
+            return state.active
+        return None
+
     def _interleaver(self, what):
         # The running trace of this model, whatever thread runs it: the interleaver's own
         # check (is the caller its running body?) turns other threads away with a clear error.
-        interleaver = self._root._state.active
+        interleaver = self._state.active
         if interleaver is None:
-            if self._root._state_for_tree().collecting:
+            if self._state.collecting:
                 raise InterlaceError(
                     f"{self._path}.{what} was used outside an invoke: in a trace with "
                     f"`with tracer.invoke(...):` blocks, module values are read and edited "
                     f"inside the invoke blocks"
                 )
-            raise InterlaceError(
+            raise NotInTraceError(
                 f"{self._path}.{what} is only available inside a `with model.trace(...)` "
                 f"block of this model"
             )
@@ -169,9 +339,160 @@ class Envoy:
         """The module does not run at the bound occurrence; `value` is its output instead."""
         self._interleaver("skip()").skip(self._index, value)
 
+    @property
+    def source(self):
+        """The calls and assignments inside this module's forward, by name, each with
+        `.output`/`.input`/`.inputs`/`.skip()` like a module; `print` it to see the names
+        (see intervention/source.py)."""
+        return module_source(self)
+
     def __call__(self, *args, **kwargs):
         """Run the module. Inside a trace body it runs as a plain module (no hooks fire)."""
-        interleaver = self._root._active()
+        interleaver = self._active()
         if interleaver is not None and interleaver.current is not None:
             return interleaver.call_plain(self._module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+# Names an Envoy serves itself: a submodule called so is reached as `.E_<name>` instead.
+SERVED = frozenset(name for name in dir(Envoy) if not name.startswith("_"))
+
+
+def _envoy_class(mapping, module, path):
+    """The Envoy class for `module` at `path` under `Model(..., envoys=mapping)`: one class for
+    every module, or a dict keyed by module class (its MRO is tried) or by path suffix
+    (component-wise, `*` for any one part: `"attn"`, `"h.*"`)."""
+    if mapping is None or isinstance(mapping, type):
+        return mapping or Envoy
+    for cls in type(module).__mro__:
+        if cls in mapping:
+            return mapping[cls]
+    parts = path.split(".")
+    for key, cls in mapping.items():
+        if isinstance(key, str):
+            wanted = key.strip(".").split(".")
+            if len(wanted) <= len(parts) and all(w in ("*", p) for w, p in zip(wanted, parts[-len(wanted):])):
+                return cls
+    return Envoy
+
+
+def served_collisions(module: torch.nn.Module) -> list:
+    """Paths of submodules whose names an Envoy serves itself (BERT's `...output`)."""
+    return [
+        "model." + path
+        for path, _ in module.named_modules()
+        if path and path.rsplit(".", 1)[-1] in SERVED
+    ]
+
+
+def _repr_with_aliases(module, path, aliases, indent=""):
+    """torch's module repr, with each child's aliases shown as `(alias/name)`."""
+    here = aliases.get(path, {})
+    direct = {}
+    for alias, relative in here.items():
+        if "." not in relative:
+            direct.setdefault(relative, []).append(alias)
+    lines = [line for line in module.extra_repr().split("\n") if line]
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        label = "/".join([*direct.get(name, []), name])
+        child_repr = _repr_with_aliases(child, f"{path}.{name}", aliases, indent + "  ")
+        lines.append(f"({label}): {child_repr}")
+    for alias, relative in here.items():
+        if "." in relative:
+            lines.append(f"({alias}): -> {path}.{relative}")
+    head = type(module).__name__ + "("
+    if not lines:
+        return head + ")"
+    if len(lines) == 1 and not module._modules:
+        return head + lines[0] + ")"
+    inner = "\n".join(f"{indent}  {line}" for line in lines)
+    return f"{head}\n{inner}\n{indent})"
+
+
+class eproperty:
+    """A value served during a trace, computed from one of the module's locations.
+
+    nnsight 0.8's way to give an Envoy subclass its own readable, writable values:
+
+        class Heads(interlace.Envoy):
+            @interlace.eproperty(key="output")
+            def heads(self, value):                  # what reading `.heads` returns
+                b, s, h = value.shape
+                return value.view(b, s, 4, h // 4)
+
+            @heads.postprocess
+            def heads(self, value):                  # what assigning `.heads = v` writes
+                return value.flatten(-2)
+
+    `key` is the location: `"output"` (default), `"input"` / `"inputs"` (the raw
+    `(args, kwargs)`). In-place edits of a view returned by the getter reach the model when
+    the view shares the module's storage (as `view`/slicing does).
+    """
+
+    def __init__(self, fn=None, *, key=None, description=None):
+        self.key = key
+        self.description = description
+        self.name = None
+        self._pre = None
+        self._post = None
+        if fn is not None:
+            self(fn)
+
+    def __call__(self, fn):
+        self._pre = fn
+        self.name = fn.__name__
+        if self.key is None:
+            self.key = fn.__name__ if fn.__name__ in ("output", "input", "inputs") else "output"
+        if self.key not in ("output", "input", "inputs"):
+            raise ValueError(f"eproperty key must be 'output', 'input' or 'inputs', not {self.key!r}")
+        self.__doc__ = fn.__doc__
+        return self
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def postprocess(self, fn):
+        """Decorate the function that turns an assigned value into the location's value."""
+        self._post = fn
+        return self
+
+    def _location(self, envoy):
+        return 2 * envoy._index + (1 if self.key == "output" else 0)
+
+    def __get__(self, envoy, owner=None):
+        if envoy is None:
+            return self
+        raw = envoy._interleaver(self.name).read(self._location(envoy))
+        return self._pre(envoy, raw)
+
+    def __set__(self, envoy, value):
+        if self._post is not None:
+            value = self._post(envoy, value)
+        envoy._interleaver(self.name).write(self._location(envoy), value)
+
+    def __repr__(self):
+        return f"<eproperty {self.name} ({self.key}){': ' + self.description if self.description else ''}>"
+
+
+def traceable(method):
+    """Make an Envoy-subclass method traceable, as nnsight 0.8's `@traceable`:
+    `with envoy.method(*inputs):` runs the model through `method` with the body interleaved;
+    a plain `envoy.method(*inputs)` just calls it (and inside a trace it always does)."""
+    import functools
+    import sys
+
+    from .grads import followed_by_with
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self._active() is not None or not followed_by_with(sys._getframe(1)):
+            return method(self, *args, **kwargs)
+        root = self.root
+        if not hasattr(root, "trace"):
+            raise InterlaceError(f"{method.__name__} is traceable only on a wrapped model")
+        return root._trace_with(lambda *a, **k: method(self, *a, **k), args, kwargs)
+
+    wrapper.traceable = True
+    return wrapper

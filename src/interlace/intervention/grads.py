@@ -35,7 +35,7 @@ _WITH_OPS = {"BEFORE_WITH", "SETUP_WITH"}
 _with_after_call: dict = {}
 
 
-def _followed_by_with(frame) -> bool:
+def followed_by_with(frame) -> bool:
     """Is the call at `frame.f_lasti` the item of a `with` statement?"""
     code = frame.f_code
     key = (code, frame.f_lasti)
@@ -84,7 +84,7 @@ def block_uses_backward(block) -> bool:
 
 
 def _backward(self, *args, **kwargs):
-    if _followed_by_with(sys._getframe(1)):
+    if followed_by_with(sys._getframe(1)):
         return BackwardTracer(self, args, kwargs)
     return _original_backward(self, *args, **kwargs)
 

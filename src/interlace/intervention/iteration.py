@@ -173,7 +173,7 @@ class IterMixin:
     @property
     def iter(self):
         """`for step in tracer.iter[2:5]:` - see the module docstring for the semantics."""
-        return _Indexer(self._running_mediator)
+        return Indexer(self._running_mediator)
 
     def all(self):
         """Every step until the model stops: `for step in tracer.all():` (= `iter[:]`)."""
@@ -189,7 +189,9 @@ class IterMixin:
         return interleaver.mediator(what)
 
 
-class _Indexer:
+class Indexer:
+    """`tracer.iter`: indexing it with steps gives the loop to run."""
+
     __slots__ = ("_get_mediator",)
 
     def __init__(self, get_mediator):

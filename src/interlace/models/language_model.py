@@ -73,6 +73,8 @@ class LanguageModel(Model):
         automodel=None,
         task=None,
         dispatch=None,
+        rename=None,
+        envoys=None,
         **kwargs,
     ):
         dtype = resolve_dtype(dtype, torch_dtype)
@@ -109,7 +111,7 @@ class LanguageModel(Model):
                 f"LanguageModel takes a repo id, a folder path or a torch.nn.Module, "
                 f"got a value of type {type(model).__name__}"
             )
-        super().__init__(module)
+        super().__init__(module, rename=rename, envoys=envoys)
         object.__setattr__(self, "tokenizer", tokenizer)
         recipe = None
         if not isinstance(model, torch.nn.Module):  # how a Ray worker rebuilds this model
