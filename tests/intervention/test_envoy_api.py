@@ -285,3 +285,11 @@ def test_traceable_method_runs_the_model_through_it(mlp):
     assert torch.equal(first, want_first)
     assert torch.equal(out, want_first)
     assert_clean(mlp)
+
+
+def test_remote_false_is_accepted_and_anything_else_is_a_clear_error(mlp_model, x6):
+    with torch.no_grad(), mlp_model.trace(x6, remote=False):
+        out = mlp_model.output.save()
+    assert out.shape == (3, 4)
+    with pytest.raises(interlace.InterlaceError, match=r"remote execution .* not supported"):
+        mlp_model.trace(x6, remote=True)

@@ -15,6 +15,7 @@ from ..errors import InterlaceError
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
+from ..intervention.session import check_remote
 from .model import Model
 
 # Whether the run being prepared is a generation (set around `_interleave`, per context so
@@ -125,7 +126,7 @@ class LanguageModel(Model):
 
     # --- tracing and generation ------------------------------------------------------
 
-    def trace(self, *args, **kwargs):
+    def trace(self, *args, remote=False, **kwargs):
         """`with model.trace(prompt, **forward_kwargs) as tracer:` - one forward pass.
 
         `prompt` is text, a list of texts, token ids or a tokenizer's output; several prompts
@@ -134,12 +135,13 @@ class LanguageModel(Model):
         (`output_hidden_states=True`, ...) go to the model's forward for the whole batch and
         are checked now: transformers' forward would silently ignore a misspelt one.
         """
+        check_remote(remote, "model.trace")
         prompt, rest = _split_prompt(kwargs)
         self.check_forward_kwargs(rest)
         run = _Forward(self._module, rest) if rest else None
         return LanguageTracer(self, args, prompt, run=run)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, remote=False, **kwargs):
         """`with model.generate(prompt, max_new_tokens=N, **generate_kwargs) as tracer:`.
 
         Runs `transformers` generation with the body interleaved. Each new token is one call
@@ -149,6 +151,7 @@ class LanguageModel(Model):
         Without a prompt (`model.generate(max_new_tokens=N)`), give each prompt its own
         `with tracer.invoke(prompt):`; the keywords here apply to the whole generation.
         """
+        check_remote(remote, "model.generate")
         prompt, rest = _split_prompt(kwargs)
         config = getattr(self._module, "generation_config", None)
         if "pad_token_id" not in rest and getattr(config, "pad_token_id", None) is None:

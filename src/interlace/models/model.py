@@ -55,12 +55,13 @@ class Model(Envoy):
 
     # -- tracing ---------------------------------------------------------------------------
 
-    def trace(self, *args, **kwargs):
+    def trace(self, *args, remote=False, **kwargs):
         """`with model.trace(*inputs) as tracer:` - the body runs interleaved with the forward.
 
         With no inputs, put each input in a `with tracer.invoke(*inputs):` block inside the
         body; the invokes run batched in one forward pass.
         """
+        check_remote(remote, "model.trace")
         return InterleavingTracer(self, args, kwargs)
 
     def _trace_with(self, run, args, kwargs):
