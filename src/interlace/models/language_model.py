@@ -119,7 +119,7 @@ class LanguageModel(Model):
             recipe = (
                 (name,),
                 dict(tokenizer=tokenizer, device_map=device_map, dtype=dtype, automodel=automodel,
-                     **kwargs),  # (task= has become automodel= above)
+                     **self.wrapper_options(), **kwargs),  # (task= has become automodel= above)
                 _unchanged_since_load(module),
             )
         object.__setattr__(self, "_load_recipe", recipe)

@@ -41,6 +41,7 @@ class Model(Envoy):
                 f"Envoy subclass}}, got {type(envoys).__name__}"
             )
         state.envoy_classes = envoys
+        object.__setattr__(self, "_options", {"rename": rename, "envoys": envoys})
         super().__init__(module, "model", _state=state)
         collisions = served_collisions(module)
         if collisions:
@@ -63,6 +64,12 @@ class Model(Envoy):
         """
         check_remote(remote, "model.trace")
         return InterleavingTracer(self, args, kwargs)
+
+    def wrapper_options(self) -> dict:
+        """The keywords this wrapper was made with beyond the module (`rename=`, `envoys=`):
+        what a copy made elsewhere (a Ray worker) needs to look the same."""
+        options = self.__dict__.get("_options", {})
+        return {name: value for name, value in options.items() if value is not None}
 
     def _trace_with(self, run, args, kwargs):
         """A trace whose run calls `run(*batched inputs)` instead of the module (`@traceable`)."""

@@ -273,7 +273,7 @@ def _recipe(model, on_gpu):
     if loaded is not None and len(loaded) == 3 and loaded[2]():  # weights as loaded
         args, kwargs, _ = loaded
         return type(model), args, kwargs, on_gpu and kwargs.get("device_map") is None
-    kwargs = {}
+    kwargs = dict(model.wrapper_options()) if hasattr(model, "wrapper_options") else {}
     if getattr(model, "tokenizer", None) is not None:
         kwargs["tokenizer"] = model.tokenizer
     return type(model), (model._module,), kwargs, on_gpu
