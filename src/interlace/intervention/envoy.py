@@ -302,15 +302,7 @@ class Envoy:
 
     @inputs.setter
     def inputs(self, value):
-        try:
-            args, kwargs = value
-            args, kwargs = tuple(args), dict(kwargs)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{self._path}.inputs must be assigned a pair (args, kwargs), got "
-                f"{type(value).__name__}"
-            ) from None
-        self._interleaver("inputs").write(2 * self._index, (args, kwargs))
+        self._interleaver("inputs").write(2 * self._index, as_inputs(value, self._path))
 
     @property
     def input(self):
@@ -352,6 +344,17 @@ class Envoy:
         if interleaver is not None and interleaver.current is not None:
             return interleaver.call_plain(self._module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+def as_inputs(value, path):
+    """A value assigned to `<path>.inputs`, checked: the pair `(args tuple, kwargs dict)`."""
+    try:
+        args, kwargs = value
+        return tuple(args), dict(kwargs)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{path}.inputs must be assigned a pair (args, kwargs), got {type(value).__name__}"
+        ) from None
 
 
 # Names an Envoy serves itself: a submodule called so is reached as `.E_<name>` instead.

@@ -803,16 +803,11 @@ class SourceEnvoy:
 
     @inputs.setter
     def inputs(self, value):
-        try:
-            args, kwargs = value
-            args, kwargs = tuple(args), dict(kwargs)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{self.path}.inputs must be assigned a pair (args, kwargs), got "
-                f"{type(value).__name__}"
-            ) from None
+        from .envoy import as_inputs  # (envoy imports this module)
+
+        value = as_inputs(value, self.path)
         il, run = self._locate("inputs")
-        il.write(run.base + 2 * self._site, (args, kwargs))
+        il.write(run.base + 2 * self._site, value)
 
     @property
     def input(self):
