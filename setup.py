@@ -7,19 +7,18 @@ unless INTERLACE_REQUIRE_EXTENSIONS=1 asks for a loud failure.
 """
 
 import os
+import runpy
 import sys
-import sysconfig
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 REQUIRE = os.environ.get("INTERLACE_REQUIRE_EXTENSIONS") == "1"
 SKIP = os.environ.get("INTERLACE_NO_EXTENSIONS") == "1"
-SUPPORTED = (
-    sys.implementation.name == "cpython"
-    and (3, 10) <= sys.version_info[:2] <= (3, 13)
-    and not sysconfig.get_config_var("Py_GIL_DISABLED")
-)
+# The one definition, in the package's version leaf (read as a file: the package is not
+# importable while it is being built).
+SUPPORTED = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "interlace",
+                                        "versions.py"))["EXTENSION_SUPPORTED"]
 
 
 class OptionalBuildExt(build_ext):

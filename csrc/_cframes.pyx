@@ -8,6 +8,8 @@ Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C ha
 import sys
 import threading
 
+from interlace.versions import PY313_PLUS
+
 cdef extern from "_cframes_impl.h":
     int ilc_init(object skip_signal) except -1
     object ilc_arm(object frame, int lo, int hi, int exit_unit, int mode)
@@ -98,7 +100,7 @@ def write_back(frame, values):
     if not frame.f_code.co_flags & 0x1:   # not CO_OPTIMIZED: module or class body
         frame.f_locals.update(values)
         return
-    if sys.version_info >= (3, 13):
+    if PY313_PLUS:
         proxy = frame.f_locals            # PEP 667 write-through proxy
         for name, value in values.items():
             proxy[name] = value

@@ -24,13 +24,11 @@ import os
 import sys
 import sysconfig
 
+from .versions import EXTENSION_SUPPORTED
+
 NO_EXTENSIONS = os.environ.get("INTERLACE_NO_EXTENSIONS") == "1"
 REQUIRE_EXTENSIONS = os.environ.get("INTERLACE_REQUIRE_EXTENSIONS") == "1"
-SUPPORTED = (
-    sys.implementation.name == "cpython"
-    and (3, 10) <= sys.version_info[:2] <= (3, 13)
-    and not sysconfig.get_config_var("Py_GIL_DISABLED")
-)
+SUPPORTED = EXTENSION_SUPPORTED
 
 #: Why a compiled module is not in use, by module name (empty when all loaded).
 why_not: dict = {}

@@ -21,6 +21,8 @@ from __future__ import annotations
 import sys
 import threading
 
+from . import versions as V
+
 COMPILED = False
 
 JUMP = 0
@@ -195,6 +197,11 @@ else:  # 3.10 / 3.11: a chained Python trace function
         return rec.fired
 
 
+def armed_count():
+    """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11, whose trace function is the record)."""
+    return sum(len(records) for records in list(_armed.values()))
+
+
 def tracer_methods(cls, enter, exit, aenter, aexit, clean, blocks, block_type, plan_type,
                    enter_code_ids, local, current):
     """(__enter__, __exit__, __aenter__, __aexit__) for `cls`: the twin has no warm path of its
@@ -248,7 +255,7 @@ def write_back(frame, values):
     if not frame.f_code.co_flags & 0x1:  # not CO_OPTIMIZED: module or class body
         frame.f_locals.update(values)
         return
-    if sys.version_info >= (3, 13):
+    if V.PY313_PLUS:
         proxy = frame.f_locals           # PEP 667 write-through proxy
         for name, value in values.items():
             proxy[name] = value

@@ -13,7 +13,7 @@ import inspect
 import pytest
 
 from interlace.tracing import sites
-from interlace.tracing import versions as V
+from interlace import versions as V
 
 MODULES = [
     "shutil", "tarfile", "zipfile", "traceback", "subprocess", "configparser", "trace",

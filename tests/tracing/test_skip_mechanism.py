@@ -15,7 +15,7 @@ import interlace
 from interlace import Tracer, UnsupportedBlockError, save
 from interlace._native import frames
 from interlace.tracing import sites, skip
-from interlace.tracing import versions as V
+from interlace import versions as V
 
 
 class SkipOnly:

@@ -53,7 +53,8 @@ import threading
 import types
 
 from ..errors import UnsupportedBlockError, WithBlockNotFoundError
-from . import skip, source, versions
+from .. import versions
+from . import skip, source
 
 # (id(code), f_lasti, steps key) -> (code, Block | _Refusal)
 BLOCKS: dict[tuple, tuple] = {}

@@ -15,7 +15,7 @@ import bisect
 import dataclasses
 import threading
 
-from . import versions as V
+from .. import versions as V
 
 _NO_ARG = object()
 

@@ -54,7 +54,7 @@ import threading
 from .. import _native
 from ..errors import UnsupportedBlockError
 from . import sites
-from . import versions as V
+from .. import versions as V
 
 frames = _native.frames
 SkipSignal = frames.SkipSignal

@@ -1,7 +1,9 @@
 """Per-Python-version constants and opcode differences, in one place.
 
-Everything else in `interlace.tracing` asks this module instead of looking at
-`sys.version_info`: which instruction enters a `with`, what the normal exit of a
+A torch-free leaf (like `errors`) that everything asks instead of looking at
+`sys.version_info` - the tracer core, `_native` (which interpreters the extension supports),
+the pure-Python twin, the compiled extension and `setup.py` (which reads this file without
+importing the package): which instruction enters a `with`, what the normal exit of a
 `with` looks like, which reads the compiler leaves unchecked, and so on.
 """
 
