@@ -307,25 +307,13 @@ class Envoy:
     @property
     def input(self):
         """The first positional argument, else the first keyword argument (Llama's layers)."""
-        args, kwargs = self._interleaver("input").read(2 * self._index)
-        if args:
-            return args[0]
-        if kwargs:
-            return next(iter(kwargs.values()))
-        raise InterlaceError(f"{self._path} was called without arguments: it has no .input")
+        return first_input(self._interleaver("input").read(2 * self._index), self._path)
 
     @input.setter
     def input(self, value):
         interleaver = self._interleaver("input")
-        args, kwargs = interleaver.read(2 * self._index)
-        if args:
-            args = (value, *args[1:])
-        elif kwargs:
-            kwargs = dict(kwargs)
-            kwargs[next(iter(kwargs))] = value
-        else:
-            raise InterlaceError(f"{self._path} was called without arguments: it has no .input")
-        interleaver.write(2 * self._index, (args, kwargs))
+        inputs = interleaver.read(2 * self._index)
+        interleaver.write(2 * self._index, with_first_input(inputs, value, self._path))
 
     def skip(self, value):
         """The module does not run at the bound occurrence; `value` is its output instead."""
@@ -344,6 +332,28 @@ class Envoy:
         if interleaver is not None and interleaver.current is not None:
             return interleaver.call_plain(self._module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+def first_input(inputs, path):
+    """`.input` of `(args, kwargs)`: the first positional argument, else the first keyword one."""
+    args, kwargs = inputs
+    if args:
+        return args[0]
+    if kwargs:
+        return next(iter(kwargs.values()))
+    raise InterlaceError(f"{path} was called without arguments: it has no .input")
+
+
+def with_first_input(inputs, value, path):
+    """`(args, kwargs)` with what `.input` reads replaced by `value`."""
+    args, kwargs = inputs
+    if args:
+        return (value, *args[1:]), kwargs
+    if kwargs:
+        kwargs = dict(kwargs)
+        kwargs[next(iter(kwargs))] = value
+        return args, kwargs
+    raise InterlaceError(f"{path} was called without arguments: it has no .input")
 
 
 def as_inputs(value, path):

@@ -812,27 +812,18 @@ class SourceEnvoy:
     @property
     def input(self):
         """The first positional argument, else the first keyword argument."""
+        from .envoy import first_input  # (envoy imports this module)
+
         il, run = self._locate("input")
-        args, kwargs = il.read(run.base + 2 * self._site)
-        if args:
-            return args[0]
-        if kwargs:
-            return next(iter(kwargs.values()))
-        raise InterlaceError(f"{self.path} was called without arguments: it has no .input")
+        return first_input(il.read(run.base + 2 * self._site), self.path)
 
     @input.setter
     def input(self, value):
+        from .envoy import with_first_input  # (envoy imports this module)
+
         il, run = self._locate("input")
         key = run.base + 2 * self._site
-        args, kwargs = il.read(key)
-        if args:
-            args = (value, *args[1:])
-        elif kwargs:
-            kwargs = dict(kwargs)
-            kwargs[next(iter(kwargs))] = value
-        else:
-            raise InterlaceError(f"{self.path} was called without arguments: it has no .input")
-        il.write(key, (args, kwargs))
+        il.write(key, with_first_input(il.read(key), value, self.path))
 
     def skip(self, value):
         """The operation does not run at the bound occurrence; `value` is its output."""

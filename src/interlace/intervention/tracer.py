@@ -258,7 +258,7 @@ def _body(tracer, out):
         try:
             out.update(tracer.run_body())
         except ENDED_EARLY as signal:
-            out.update(_locals_at(signal, tracer))
+            out.update(locals_at(signal, tracer.block))
             raise
         finally:
             if deferred is not None:
@@ -270,9 +270,8 @@ def _body(tracer, out):
     return run
 
 
-def _locals_at(error, tracer):
+def locals_at(error, block):
     """The body's locals at the point `error` left it (stop, or an iter loop cut short)."""
-    block = tracer.block
     tb = error.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from ..intervention.mediator import ENDED_EARLY
-from ..tracing import blocks as _blocks
+from ..intervention.tracer import locals_at
 from ..tracing.save import TraceState
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -50,7 +50,7 @@ class ItemBody:
         try:
             values = tracer.run_body(job.namespace)
         except ENDED_EARLY as signal:
-            values = _locals_at(signal, tracer.block)
+            values = locals_at(signal, tracer.block)
             raise
         except Exception as error:
             name_item(error, self.index, self.item)
@@ -94,19 +94,6 @@ def name_item(error, index, item):
 def item_of(error):
     """The index of the sweep item an error was raised by, or None (the model raised it)."""
     return getattr(error, "_interlace_sweep_item", None)
-
-
-def _locals_at(error, block):
-    """The body's locals at the point `error` left it (an `iter` loop cut short)."""
-    tb = error.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename == block.filename and code.co_name == block.co_name:
-            values = dict(tb.tb_frame.f_locals)
-            values.pop(_blocks.LOCALS_PARAM, None)
-            return values
-        tb = tb.tb_next
-    return {}
 
 
 def caller_namespace(tracer):
