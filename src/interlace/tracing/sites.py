@@ -11,8 +11,6 @@ matches where the with's exception handler continues once `__exit__` returns Tru
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import threading
 
 from .. import versions as V
@@ -20,21 +18,52 @@ from .. import versions as V
 _NO_ARG = object()
 
 
-@dataclasses.dataclass(frozen=True)
 class Site:
-    """Facts about one with item, in code units (2-byte words) of its code object."""
+    """Facts about one with item, in code units (2-byte words) of its code object.
 
-    with_unit: int        # the SETUP_WITH/BEFORE_WITH that called __enter__
-    body_start: int       # first unit after the `as` binding (incl. EXTENDED_ARG prefix)
-    body_op_unit: int     # unit of the real opcode there (where f_lasti points)
-    body_op: str          # its name
-    body_line: int | None
-    line_start: bool      # the body start begins a new line, so a LINE event fires there
-    fused_binding: bool   # 3.13: the as-binding is fused with the first body read
-    exit_unit: int | None   # verified normal exit, None if none was found
-    handler_unit: int | None
-    refusal: str | None     # why no verified exit exists (shape description)
-    tail_pairs: tuple = ()     # (unit after the normal exit, same instruction after the handler)
+    A plain class rather than a dataclass: `dataclasses` (and the `inspect` it imports) would
+    cost `import interlace` ~4 ms.
+    """
+
+    __slots__ = (
+        "with_unit",      # the SETUP_WITH/BEFORE_WITH that called __enter__
+        "body_start",     # first unit after the `as` binding (incl. EXTENDED_ARG prefix)
+        "body_op_unit",   # unit of the real opcode there (where f_lasti points)
+        "body_op",        # its name
+        "body_line",      # int | None
+        "line_start",     # the body start begins a new line, so a LINE event fires there
+        "fused_binding",  # 3.13: the as-binding is fused with the first body read
+        "exit_unit",      # verified normal exit, None if none was found
+        "handler_unit",   # int | None
+        "refusal",        # why no verified exit exists (shape description), or None
+        "tail_pairs",     # (unit after the normal exit, same instruction after the handler)
+    )  # fmt: skip
+
+    def __init__(self, *, with_unit, body_start, body_op_unit, body_op, body_line, line_start,
+                 fused_binding, exit_unit, handler_unit, refusal, tail_pairs=()):
+        self.with_unit = with_unit
+        self.body_start = body_start
+        self.body_op_unit = body_op_unit
+        self.body_op = body_op
+        self.body_line = body_line
+        self.line_start = line_start
+        self.fused_binding = fused_binding
+        self.exit_unit = exit_unit
+        self.handler_unit = handler_unit
+        self.refusal = refusal
+        self.tail_pairs = tail_pairs
+
+    def _facts(self):
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other):
+        return type(other) is Site and self._facts() == other._facts()
+
+    def __hash__(self):
+        return hash(self._facts())
+
+    def __repr__(self):
+        return "Site(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
 
 class _Code:
@@ -84,8 +113,12 @@ class _Code:
         return None
 
 
+# id(code) -> (code, _Code). Only planning a skip reads it (a few calls per new site), so
+# it keeps the latest DECODED_LIMIT code objects: a decoded function is a Python object per
+# instruction, and code objects from generated sources or re-run notebook cells keep coming.
 _DECODED: dict = {}
 _DECODED_LOCK = threading.Lock()
+DECODED_LIMIT = 64
 
 
 def decode(code) -> _Code:
@@ -95,7 +128,10 @@ def decode(code) -> _Code:
         return entry[1]
     decoded = _Code(code)
     with _DECODED_LOCK:
+        _DECODED.pop(id(code), None)  # (re)inserted last: the oldest entries go first
         _DECODED[id(code)] = (code, decoded)
+        while len(_DECODED) > DECODED_LIMIT:
+            del _DECODED[next(iter(_DECODED))]
     return decoded
 
 
@@ -104,6 +140,8 @@ def analyse(code, lasti: int) -> Site:
     c = decode(code)
     w = c.by_unit.get(lasti // 2)
     if w is None:  # inside an instruction's inline cache (3.12's SEND while awaiting)
+        import bisect
+
         w = bisect.bisect_right(c.units, lasti // 2) - 1
         w = w if w >= 0 else None
     if w is not None and c.names[w] not in V.WITH_ENTER_OPS:
