@@ -2,18 +2,27 @@
 """Compiled hot path of the interleaving engine; twin: src/interlace/_pyhotpath.py.
 
 Mechanism only: occurrence counters, the position in a model's learned order, the table of
-parked requests, and a mediator's iteration pointer. Every decision is made in Python
-(interlace/intervention/interleaver.py). Keep this file and the twin equivalent: the suite
-runs on both (INTERLACE_NO_EXTENSIONS=1 selects the twin).
+parked requests, a mediator's iteration pointer, and the model side of one event (count it,
+find the waiting bodies, hand the value to each on its greenlet with its grad mode). Every
+decision is made in Python (interlace/intervention/), through callables given to `Exchange`.
+Keep this file and the twin equivalent: the suite runs on both (INTERLACE_NO_EXTENSIONS=1
+selects the twin). Torch-free and greenlet-free at build time: torch's grad-mode functions
+are handed in, and a greenlet is switched through its `switch` method.
 
 Ownership: everything here is Cython-managed Python objects. Arguments are borrowed; every
-method returns a new reference (an int, a list, or None); containers stored in a Hub own
-strong references to their items (parked waiters are kept alive until `take`/`drain`).
+method returns a new reference (an int, a list, an Event, or None); containers stored in a
+Hub own strong references to their items (parked waiters are kept alive until
+`take`/`drain`); an Exchange owns strong references to its hub, policy callables and current
+mediator until `end()`.
 """
+
+cimport cython
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 
 RELAXED = -1
 
 
+@cython.final
 cdef class Hub:
     """Occurrence counters, the position in the learned order, and the parked requests."""
 
@@ -119,6 +128,7 @@ cdef class Hub:
         return out
 
 
+@cython.final
 cdef class Pointer:
     """A mediator's iteration pointer: which occurrence its next request binds to.
 
@@ -159,3 +169,231 @@ cdef class Pointer:
 
     cpdef restore(self, tuple state):
         self.iteration, self.pinned, self.depth = state
+
+
+# -- the per-event exchange -------------------------------------------------------------------
+
+# Messages a mediator's greenlet sends back to the side that resumed it.
+PARKED = 1   # the body waits for a value (it is in the hub's table)
+DONE = 2     # the body returned
+FAILED = 3   # the body raised
+STOPPED = 4  # the body called tracer.stop()
+
+cdef extern from "pythread.h":
+    unsigned long PyThread_get_thread_ident()
+
+
+cdef class MediatorCore:
+    """The fields of a mediator the exchange reads and writes as struct fields, not by name.
+
+    `intervention.mediator.Mediator` subclasses it. A subclass must not list these names in
+    its own `__slots__`: a slot of the same name would hide the field, and the exchange would
+    go on reading the field while Python code writes the slot.
+    """
+
+    cdef public Py_ssize_t index   # invoke order: waiters of one event are served by it
+    cdef public object rows        # the batch rows this body sees, or None
+    cdef public object pointer     # its iteration Pointer
+    cdef public object worker      # the greenlet running the body, or None
+    cdef public object event       # the Event being served to it right now, or None
+    cdef public object body_grad   # torch grad mode the body had when it last paused
+    cdef public bint finished
+
+
+@cython.final
+cdef class Event:
+    """One happening of a location, as handed to bodies: its value may be replaced."""
+
+    cdef public Py_ssize_t key
+    cdef public Py_ssize_t occ
+    cdef public object value
+    cdef public bint replaced
+
+    def __init__(self, Py_ssize_t key, Py_ssize_t occ, value):
+        self.key = key
+        self.occ = occ
+        self.value = value
+        self.replaced = False
+
+
+cdef class Exchange:
+    """The model side of one event, in one call from a torch hook.
+
+    `pre_hook(key)`/`post_hook(key)` make the callables torch calls. Each one ignores calls
+    while `bypass` is non-zero or from a thread other than `thread`, counts the occurrence
+    (`Hub.fire`), takes the bodies waiting for it (`Hub.take`) and, when there are none,
+    returns None at once. Otherwise it makes an `Event` and hands it to each waiting body in
+    invoke order (`serve`), and returns the value a body assigned, if any.
+
+    Policy stays in Python, as callables this calls:
+      routed(key, occ, value) -> what the hook returns: the whole rest of the event, for
+          keys marked with `route(key)` (observers, pending skips); `value` is the output,
+          or `(args, kwargs)` for a pre-hook.
+      serving(event, waiters): serves an event in place of the compiled loop while set
+          (sharing variables between invokes, barriers).
+      message(mediator, message): a body came back with anything but PARKED; may raise to
+          unwind the forward (a body failed, `tracer.stop()`).
+    `is_grad_enabled`/`set_grad_enabled` are torch's (passed in: this module stays torch-free).
+
+    One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
+    (hooks left installed then do nothing) and drops what it referenced.
+    Ownership: every field is a strong reference; `end()` releases the per-run ones.
+    """
+
+    cdef public Hub hub
+    cdef public object current       # the mediator being served right now, or None
+    cdef public Py_ssize_t bypass    # > 0: hooks ignore calls (a body calls a module itself)
+    cdef public unsigned long thread
+    cdef public object routed
+    cdef public object serving
+    cdef public object message
+    cdef bytearray routes            # per key: non-zero sends its events to `routed`
+    cdef object is_grad_enabled
+    cdef object set_grad_enabled
+
+    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None):
+        self.is_grad_enabled = is_grad_enabled
+        self.set_grad_enabled = set_grad_enabled
+        self.routed = routed
+        self.message = message
+        self.serving = None
+        self.routes = bytearray()
+        self.hub = None
+        self.current = None
+        self.bypass = 0
+        self.thread = 0
+
+    def begin(self, Hub hub not None, unsigned long thread):
+        """A run starts: its hub, and the thread its model runs in."""
+        self.hub = hub
+        self.thread = thread
+        self.current = None
+        self.bypass = 0
+        self.serving = None
+        self.routes = bytearray()
+
+    def end(self):
+        """The run is over: hooks still installed do nothing; per-run references are dropped."""
+        self.hub = None
+        self.current = None
+        self.serving = None
+        self.routes = bytearray()
+
+    def route(self, Py_ssize_t key, bint on=True):
+        """Send the events of `key` to `routed` (or stop sending them)."""
+        cdef Py_ssize_t n = len(self.routes)
+        if key >= n:
+            if not on:
+                return
+            self.routes.extend(bytes(key + 1 - n))
+        self.routes[key] = 1 if on else 0
+
+    def is_routed(self, Py_ssize_t key):
+        return key < len(self.routes) and self.routes[key] != 0
+
+    def pre_hook(self, Py_ssize_t key):
+        """The callable(module, args, kwargs) for a with-kwargs forward pre-hook at `key`."""
+        return Hook(self, key, True)
+
+    def post_hook(self, Py_ssize_t key):
+        """The callable(module, args, output) for a forward hook at `key`."""
+        return Hook(self, key, False)
+
+    cdef object on_hook(self, Py_ssize_t key, bint pre, args, third):
+        # One hook call; `third` is the pre-hook's kwargs or the forward hook's output.
+        # args, third: borrowed from the hook call; returns a new reference (None: unchanged).
+        cdef Hub hub = self.hub
+        cdef Py_ssize_t occ
+        cdef Event event
+        if hub is None or self.bypass or PyThread_get_thread_ident() != self.thread:
+            return None
+        occ = hub.fire(key)
+        if (key < PyByteArray_GET_SIZE(self.routes) and PyByteArray_AS_STRING(self.routes)[key]
+                and self.routed is not None):
+            return self.routed(key, occ, (args, third) if pre else third)
+        waiters = hub.take(key, occ)
+        if waiters is None:
+            return None
+        event = Event(key, occ, (args, third) if pre else third)
+        self.serve(event, waiters)
+        if event.replaced:
+            return event.value
+        return None
+
+    def handoff(self, Py_ssize_t key, value):
+        """A location without a hook (fired by hand) happens: the value, as bodies left it."""
+        cdef Hub hub = self.hub
+        cdef Py_ssize_t occ
+        cdef Event event
+        if hub is None:
+            raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
+        occ = hub.fire(key)
+        waiters = hub.take(key, occ)
+        if waiters is None:
+            return value
+        event = Event(key, occ, value)
+        self.serve(event, waiters)
+        return event.value
+
+    cpdef serve(self, event, list waiters):
+        """Hand `event` to each body in `waiters` in invoke order (`serving` instead, if set)."""
+        cdef Py_ssize_t i, j, n = len(waiters)
+        cdef MediatorCore mediator
+        if self.serving is not None:
+            self.serving(event, waiters)
+            return
+        if n > 1:  # insertion sort by invoke order: stable, and the lists are short
+            for i in range(1, n):
+                mediator = <MediatorCore?>waiters[i]
+                j = i
+                while j > 0 and (<MediatorCore?>waiters[j - 1]).index > mediator.index:
+                    waiters[j] = waiters[j - 1]
+                    j -= 1
+                waiters[j] = mediator
+        for i in range(n):
+            mediator = <MediatorCore?>waiters[i]
+            message = self.resume(mediator, event, None)
+            if message != 1 and self.message is not None:  # 1: PARKED
+                self.message(mediator, message)
+
+    cpdef resume(self, MediatorCore mediator, event, payload=None):
+        """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
+
+        While it runs, `current` is the mediator and its `event` is `event`; torch's grad mode
+        is the body's, and the model's again afterwards, whatever the body did.
+        """
+        cdef bint model_grad
+        cdef object body_grad
+        if mediator is None:
+            raise TypeError("Exchange.resume() needs a mediator, got None")
+        model_grad = self.is_grad_enabled()
+        body_grad = mediator.body_grad
+        self.current = mediator
+        mediator.event = event
+        try:
+            if body_grad is not None and bool(body_grad) != model_grad:
+                self.set_grad_enabled(bool(body_grad))
+            return mediator.worker.switch(payload)
+        finally:
+            # Back on the model side: its grad mode again, whatever the body did.
+            if bool(self.is_grad_enabled()) != model_grad:
+                self.set_grad_enabled(model_grad)
+            mediator.event = None
+            self.current = None
+
+
+@cython.final
+cdef class Hook:
+    """A torch hook of one location: all of its work happens in `Exchange.on_hook`."""
+
+    cdef readonly Exchange exchange
+    cdef readonly Py_ssize_t key
+    cdef readonly bint pre
+
+    def __init__(self, Exchange exchange, Py_ssize_t key, bint pre):
+        self.exchange = exchange
+        self.key = key
+        self.pre = pre
+
+    def __call__(self, module, args, third):
+        return self.exchange.on_hook(self.key, self.pre, args, third)

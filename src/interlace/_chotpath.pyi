@@ -1,6 +1,6 @@
 """Stub of the compiled interleaving hot path (csrc/_chotpath.pyx); twin: _pyhotpath.py."""
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 RELAXED: int
 
@@ -39,3 +39,56 @@ class Pointer:
     def pin(self, n: int) -> None: ...
     def save(self) -> tuple[int, int, int]: ...
     def restore(self, state: tuple[int, int, int]) -> None: ...
+
+PARKED: int
+DONE: int
+FAILED: int
+STOPPED: int
+
+class MediatorCore:
+    index: int
+    rows: Any
+    pointer: Any
+    worker: Any
+    event: Optional[Event]
+    body_grad: Optional[bool]
+    finished: bool
+
+class Event:
+    key: int
+    occ: int
+    value: Any
+    replaced: bool
+    def __init__(self, key: int, occ: int, value: Any) -> None: ...
+
+class Exchange:
+    hub: Optional[Hub]
+    current: Optional[MediatorCore]
+    bypass: int
+    thread: int
+    routed: Optional[Callable[[int, int, Any], Any]]
+    serving: Optional[Callable[[Event, list[MediatorCore]], None]]
+    message: Optional[Callable[[MediatorCore, Any], None]]
+    def __init__(
+        self,
+        is_grad_enabled: Callable[[], bool],
+        set_grad_enabled: Callable[[bool], Any],
+        routed: Optional[Callable[[int, int, Any], Any]] = None,
+        message: Optional[Callable[[MediatorCore, Any], None]] = None,
+    ) -> None: ...
+    def begin(self, hub: Hub, thread: int) -> None: ...
+    def end(self) -> None: ...
+    def route(self, key: int, on: bool = True) -> None: ...
+    def is_routed(self, key: int) -> bool: ...
+    def pre_hook(self, key: int) -> Callable[[Any, tuple, dict], Optional[tuple[tuple, dict]]]: ...
+    def post_hook(self, key: int) -> Callable[[Any, tuple, Any], Any]: ...
+    def handoff(self, key: int, value: Any) -> Any: ...
+    def serve(self, event: Event, waiters: list[MediatorCore]) -> None: ...
+    def resume(self, mediator: MediatorCore, event: Any, payload: Any = None) -> Any: ...
+
+class Hook:
+    exchange: Exchange
+    key: int
+    pre: bool
+    def __init__(self, exchange: Exchange, key: int, pre: bool) -> None: ...
+    def __call__(self, module: Any, args: tuple, third: Any) -> Any: ...

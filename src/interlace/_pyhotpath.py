@@ -1,14 +1,19 @@
 """Pure-Python twin of `csrc/_chotpath.pyx`: the per-event bookkeeping of one trace.
 
-Mechanism only (policy lives in `interlace.intervention.interleaver`). Locations are
-small integers (`key`), one per (module, "input"/"output") of a model. Keep this file and
-the `.pyx` line-for-line equivalent: the test suite runs on both.
+Mechanism only (policy lives in `interlace.intervention`, handed to `Exchange` as callables).
+Locations are small integers (`key`), one per (module, "input"/"output") of a model. Keep
+this file and the `.pyx` line-for-line equivalent: the test suite runs on both. (One
+deliberate difference: the twin's hooks are `functools.partial`s of `on_hook`, not `Hook`
+objects: a partial adds no Python frame; `Hook` exists here for the names to match.)
 
 Why a learned order: only modules the body asks for are hooked (a hook on every module
 costs 6-16% on a small model), so most locations are never observed. The engine learns
 the sequence of locations of one root call once per model; with it, the count of any
 location so far follows from the position of the last observed one.
 """
+
+from _thread import get_ident
+from _functools import partial  # (functools itself costs an import)
 
 RELAXED = -1
 """`Pointer.iteration` value meaning: bind each request to the next occurrence not yet passed."""
@@ -145,3 +150,208 @@ class Pointer:
 
     def restore(self, state):
         self.iteration, self.pinned, self.depth = state
+
+
+# -- the per-event exchange -------------------------------------------------------------------
+
+# Messages a mediator's greenlet sends back to the side that resumed it.
+PARKED = 1  # the body waits for a value (it is in the hub's table)
+DONE = 2  # the body returned
+FAILED = 3  # the body raised
+STOPPED = 4  # the body called tracer.stop()
+
+
+def _invoke_order(mediator):
+    return mediator.index
+
+
+class MediatorCore:
+    """The fields of a mediator the exchange reads and writes as struct fields, not by name.
+
+    `intervention.mediator.Mediator` subclasses it. A subclass must not list these names in
+    its own `__slots__`: a slot of the same name would hide the field, and the exchange would
+    go on reading the field while Python code writes the slot.
+    """
+
+    __slots__ = ("index", "rows", "pointer", "worker", "event", "body_grad", "finished")
+
+    def __init__(self):
+        self.index = 0
+        self.rows = None
+        self.pointer = None
+        self.worker = None
+        self.event = None
+        self.body_grad = None
+        self.finished = False
+
+
+class Event:
+    """One happening of a location, as handed to bodies: its value may be replaced."""
+
+    __slots__ = ("key", "occ", "value", "replaced")
+
+    def __init__(self, key, occ, value):
+        self.key = key
+        self.occ = occ
+        self.value = value
+        self.replaced = False
+
+
+class Exchange:
+    """The model side of one event, in one call from a torch hook.
+
+    `pre_hook(key)`/`post_hook(key)` make the callables torch calls. Each one ignores calls
+    while `bypass` is non-zero or from a thread other than `thread`, counts the occurrence
+    (`Hub.fire`), takes the bodies waiting for it (`Hub.take`) and, when there are none,
+    returns None at once. Otherwise it makes an `Event` and hands it to each waiting body in
+    invoke order (`serve`), and returns the value a body assigned, if any.
+
+    Policy stays in Python, as callables this calls:
+      routed(key, occ, value) -> what the hook returns: the whole rest of the event, for
+          keys marked with `route(key)` (observers, pending skips); `value` is the output,
+          or `(args, kwargs)` for a pre-hook.
+      serving(event, waiters): serves an event in place of the compiled loop while set
+          (sharing variables between invokes, barriers).
+      message(mediator, message): a body came back with anything but PARKED; may raise to
+          unwind the forward (a body failed, `tracer.stop()`).
+    `is_grad_enabled`/`set_grad_enabled` are torch's (passed in: this module stays torch-free).
+
+    One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
+    (hooks left installed then do nothing) and drops what it referenced.
+    """
+
+    __slots__ = ("hub", "current", "bypass", "thread", "routed", "serving", "message",
+                 "routes", "is_grad_enabled", "set_grad_enabled")
+
+    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None):
+        self.is_grad_enabled = is_grad_enabled
+        self.set_grad_enabled = set_grad_enabled
+        self.routed = routed
+        self.message = message
+        self.serving = None
+        self.routes = bytearray()
+        self.hub = None
+        self.current = None
+        self.bypass = 0
+        self.thread = 0
+
+    def begin(self, hub, thread):
+        """A run starts: its hub, and the thread its model runs in."""
+        if not isinstance(hub, Hub):
+            raise TypeError(f"Exchange.begin() needs a Hub, got {type(hub).__name__}")
+        self.hub = hub
+        self.thread = thread
+        self.current = None
+        self.bypass = 0
+        self.serving = None
+        self.routes = bytearray()
+
+    def end(self):
+        """The run is over: hooks still installed do nothing; per-run references are dropped."""
+        self.hub = None
+        self.current = None
+        self.serving = None
+        self.routes = bytearray()
+
+    def route(self, key, on=True):
+        """Send the events of `key` to `routed` (or stop sending them)."""
+        n = len(self.routes)
+        if key >= n:
+            if not on:
+                return
+            self.routes.extend(bytes(key + 1 - n))
+        self.routes[key] = 1 if on else 0
+
+    def is_routed(self, key):
+        return key < len(self.routes) and self.routes[key] != 0
+
+    def pre_hook(self, key):
+        """The callable(module, args, kwargs) for a with-kwargs forward pre-hook at `key`."""
+        return partial(self.on_hook, key, True)
+
+    def post_hook(self, key):
+        """The callable(module, args, output) for a forward hook at `key`."""
+        return partial(self.on_hook, key, False)
+
+    def on_hook(self, key, pre, module, args, third):
+        """One hook call; `third` is the pre-hook's kwargs or the forward hook's output."""
+        hub = self.hub
+        if hub is None or self.bypass or get_ident() != self.thread:
+            return None
+        occ = hub.fire(key)
+        routes = self.routes
+        if key < len(routes) and routes[key] and self.routed is not None:
+            return self.routed(key, occ, (args, third) if pre else third)
+        waiters = hub.take(key, occ)
+        if waiters is None:
+            return None
+        event = Event(key, occ, (args, third) if pre else third)
+        self.serve(event, waiters)
+        if event.replaced:
+            return event.value
+        return None
+
+    def handoff(self, key, value):
+        """A location without a hook (fired by hand) happens: the value, as bodies left it."""
+        hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
+        occ = hub.fire(key)
+        waiters = hub.take(key, occ)
+        if waiters is None:
+            return value
+        event = Event(key, occ, value)
+        self.serve(event, waiters)
+        return event.value
+
+    def serve(self, event, waiters):
+        """Hand `event` to each body in `waiters` in invoke order (`serving` instead, if set)."""
+        if self.serving is not None:
+            self.serving(event, waiters)
+            return
+        if len(waiters) > 1:
+            waiters.sort(key=_invoke_order)  # stable, like the compiled insertion sort
+        for mediator in waiters:
+            message = self.resume(mediator, event, None)
+            if message != 1 and self.message is not None:  # 1: PARKED
+                self.message(mediator, message)
+
+    def resume(self, mediator, event, payload=None):
+        """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
+
+        While it runs, `current` is the mediator and its `event` is `event`; torch's grad mode
+        is the body's, and the model's again afterwards, whatever the body did.
+        """
+        if mediator is None:
+            raise TypeError("Exchange.resume() needs a mediator, got None")
+        if not isinstance(mediator, MediatorCore):
+            raise TypeError(f"Argument 'mediator' has incorrect type (expected "
+                            f"{__name__}.MediatorCore, got {type(mediator).__name__})")
+        model_grad = bool(self.is_grad_enabled())
+        body_grad = mediator.body_grad
+        self.current = mediator
+        mediator.event = event
+        try:
+            if body_grad is not None and bool(body_grad) != model_grad:
+                self.set_grad_enabled(bool(body_grad))
+            return mediator.worker.switch(payload)
+        finally:
+            # Back on the model side: its grad mode again, whatever the body did.
+            if bool(self.is_grad_enabled()) != model_grad:
+                self.set_grad_enabled(model_grad)
+            mediator.event = None
+            self.current = None
+
+
+class Hook:
+    """A torch hook of one location: all of its work happens in `Exchange.on_hook`."""
+
+    __slots__ = ("exchange", "key", "pre")
+
+    def __init__(self, exchange, key, pre):
+        self.exchange = exchange
+        self.key = key
+        self.pre = pre
+
+    def __call__(self, module, args, third):
+        return self.exchange.on_hook(self.key, self.pre, module, args, third)

@@ -1,0 +1,380 @@
+"""The per-event exchange (`hotpath.Exchange`), compiled and twin side by side.
+
+No interleaver here: bodies are plain functions on real greenlets, parked by hand in a real
+`Hub`, and the hooks are called by torch on small modules. Results are checked against plain
+torch hooks doing the same edit, and against what a body observed while it ran.
+"""
+
+import importlib
+import threading
+
+import pytest
+import torch
+from greenlet import greenlet
+
+IMPLS = ["interlace._pyhotpath"]
+try:
+    importlib.import_module("interlace._chotpath")
+    IMPLS.append("interlace._chotpath")
+except ImportError:
+    pass
+
+
+@pytest.fixture(params=IMPLS)
+def hp(request):
+    return importlib.import_module(request.param)
+
+
+class Harness:
+    """One run: a hub, an exchange, and bodies that park on it like mediators do."""
+
+    def __init__(self, hp, nkeys=8, routed=None, message=None):
+        self.hp = hp
+        self.hub = hp.Hub(nkeys, 0, None, None, True)
+        self.messages = []
+
+        def record(mediator, msg):
+            self.messages.append((mediator.index, msg))
+            if message is not None:
+                message(mediator, msg)
+
+        self.ex = hp.Exchange(torch.is_grad_enabled, torch._C._set_grad_enabled, routed, record)
+        self.ex.begin(self.hub, threading.get_ident())
+
+        class Body(hp.MediatorCore):
+            __slots__ = ("fn", "error", "log")
+
+        self.Body = Body
+
+    def start(self, fn, index=0):
+        """Run `fn(body)` on its own greenlet until it first waits; returns the body."""
+        hp = self.hp
+        body = self.Body()
+        body.index = index
+        body.finished = False
+        body.error = None
+        body.log = []
+        body.body_grad = torch.is_grad_enabled()
+
+        def run(_payload):
+            try:
+                fn(body)
+                return hp.DONE
+            except Exception as error:  # noqa: BLE001 - reported as FAILED, as mediators do
+                body.error = error
+                return hp.FAILED
+
+        body.worker = greenlet(run)
+        message = self.ex.resume(body, None)
+        assert message in (hp.PARKED, hp.DONE, hp.FAILED, hp.STOPPED)
+        return body
+
+    def wait(self, body, key, occ):
+        """Body side: park for (key, occ) and return the event handed over."""
+        self.hub.park(key, occ, body)
+        body.body_grad = torch.is_grad_enabled()
+        payload = body.worker.parent.switch(self.hp.PARKED)
+        if isinstance(payload, BaseException):
+            raise payload
+        return body.event
+
+
+def test_no_waiter_returns_none_and_counts(hp):
+    h = Harness(hp)
+    pre, post = h.ex.pre_hook(2), h.ex.post_hook(3)
+    assert pre(None, (1,), {}) is None
+    assert post(None, (1,), "out") is None
+    assert post(None, (1,), "out") is None
+    assert h.hub.counts[2:4] == [1, 2] and h.hub.record == [2, 3, 3]
+    assert h.messages == []
+
+
+def test_a_waiter_reads_the_value_and_a_replacement_reaches_torch(hp):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        plain = net(x)
+        handle = net[0].register_forward_hook(lambda m, a, out: out * 2)
+        reference = net(x)
+        handle.remove()
+    assert not torch.equal(reference, plain)
+
+    h = Harness(hp)
+    seen = {}
+
+    def body(me):
+        event = h.wait(me, 1, 0)
+        seen["value"] = event.value.clone()
+        seen["current"] = h.ex.current is me
+        seen["key_occ"] = (event.key, event.occ)
+        event.value = event.value * 2
+        event.replaced = True
+
+    mediator = h.start(body)
+    handle = net[0].register_forward_hook(h.ex.post_hook(1))
+    try:
+        with torch.no_grad():
+            out = net(x)
+    finally:
+        handle.remove()
+    assert torch.equal(out, reference)
+    assert torch.equal(seen["value"], net[0](x).detach())
+    assert seen["current"] and seen["key_occ"] == (1, 0)
+    assert h.ex.current is None and mediator.event is None  # reset after the switch back
+    assert h.messages == [(0, hp.DONE)]
+
+
+def test_a_pre_hook_replacement_is_the_new_args_and_kwargs(hp):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(1, 3)
+    with torch.no_grad():
+        handle = lin.register_forward_pre_hook(lambda m, a, k: ((a[0] + 1,), k), with_kwargs=True)
+        reference = lin(x)
+        handle.remove()
+        assert not torch.equal(reference, lin(x))
+
+    h = Harness(hp)
+
+    def body(me):
+        event = h.wait(me, 0, 0)
+        (arg,), kwargs = event.value
+        event.value = ((arg + 1,), kwargs)
+        event.replaced = True
+
+    h.start(body)
+    handle = lin.register_forward_pre_hook(h.ex.pre_hook(0), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = lin(x)
+    finally:
+        handle.remove()
+    assert torch.equal(out, reference)
+
+
+def test_waiters_are_served_in_invoke_order_and_edits_compose(hp):
+    h = Harness(hp)
+    order = []
+
+    def adder(me):
+        event = h.wait(me, 3, 0)
+        order.append(me.index)
+        event.value = event.value + 1
+        event.replaced = True
+
+    def multiplier(me):
+        event = h.wait(me, 3, 0)
+        order.append(me.index)
+        event.value = event.value * 3
+        event.replaced = True
+
+    def reader(me):
+        me.log.append(h.wait(me, 3, 0).value)
+        order.append(me.index)
+
+    # parked in the order 2, 1, 0, 1: served 0, 1, 1, 2 (ties keep their parking order)
+    last = h.start(reader, index=2)
+    h.start(multiplier, index=1)
+    h.start(adder, index=0)
+    h.start(adder, index=1)
+    assert h.ex.post_hook(3)(None, (), 5) == ((5 + 1) * 3) + 1
+    assert order == [0, 1, 1, 2] and last.log == [19]
+    assert [m for _, m in h.messages] == [hp.DONE] * 4
+    assert h.hub.nparked == 0
+
+
+def test_an_event_nobody_replaces_returns_none(hp):
+    h = Harness(hp)
+    body = h.start(lambda me: me.log.append(h.wait(me, 5, 0).value))
+    assert h.ex.post_hook(5)(None, (), "value") is None
+    assert body.log == ["value"]
+
+
+def test_grad_mode_is_the_bodys_inside_and_the_models_after(hp):
+    h = Harness(hp)
+    inside = []
+
+    def body(me):
+        with torch.no_grad():
+            event = h.wait(me, 1, 0)
+            inside.append(torch.is_grad_enabled())
+            event = h.wait(me, 1, 1)
+            inside.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(True)  # the body's own change must not leak into the model
+        h.wait(me, 1, 2)
+        inside.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+    with torch.enable_grad():
+        h.start(body)
+        assert torch.is_grad_enabled()
+        hook = h.ex.post_hook(1)
+        hook(None, (), 0)
+        assert torch.is_grad_enabled()
+    with torch.no_grad():
+        hook(None, (), 1)
+        assert not torch.is_grad_enabled()
+        hook(None, (), 2)  # the body ends with grad off after setting it on: no leak either way
+        assert not torch.is_grad_enabled()
+    assert inside == [False, False, True]
+
+
+def test_bypass_and_other_threads_are_ignored(hp):
+    h = Harness(hp)
+    body = h.start(lambda me: me.log.append(h.wait(me, 1, 0).value))
+    hook = h.ex.post_hook(1)
+    h.ex.bypass += 1
+    assert hook(None, (), "inside a body's own call") is None
+    h.ex.bypass -= 1
+    results = []
+    thread = threading.Thread(target=lambda: results.append(hook(None, (), "other thread")))
+    thread.start()
+    thread.join()
+    assert results == [None] and h.hub.counts[1] == 0 and body.log == []
+    hook(None, (), "model")
+    assert body.log == ["model"] and h.hub.counts[1] == 1
+
+
+def test_routed_keys_go_to_the_policy(hp):
+    calls = []
+
+    def routed(key, occ, value):
+        calls.append((key, occ, value))
+        return "from policy"
+
+    h = Harness(hp, routed=routed)
+    h.ex.route(6)
+    assert h.ex.is_routed(6) and not h.ex.is_routed(7) and not h.ex.is_routed(100)
+    body = h.start(lambda me: me.log.append(h.wait(me, 6, 0).value))
+    assert h.ex.post_hook(6)(None, ("a",), "out") == "from policy"
+    assert h.ex.pre_hook(7)(None, ("a",), {"k": 1}) is None  # not routed
+    h.ex.route(4)
+    assert h.ex.pre_hook(4)(None, ("a",), {"k": 1}) == "from policy"
+    assert calls == [(6, 0, "out"), (4, 0, (("a",), {"k": 1}))]
+    assert body.log == [] and h.hub.nparked == 1  # the policy owns the event: it did not serve
+    h.ex.route(6, False)
+    h.ex.route(50, False)  # unrouting a key never routed is a no-op
+    assert h.ex.post_hook(6)(None, (), "later") is None
+    assert h.hub.counts[6] == 2 and h.hub.nparked == 1  # occurrence 1: the body waits for 0
+
+
+def test_a_routed_policy_can_serve_through_the_exchange(hp):
+    observed = []
+    h = None
+
+    def routed(key, occ, value):  # what an observer does: serve, then look at the result
+        waiters = h.hub.take(key, occ)
+        event = hp.Event(key, occ, value)
+        if waiters is not None:
+            h.ex.serve(event, waiters)
+        observed.append(event.value)
+        return event.value if event.replaced else None
+
+    h = Harness(hp, routed=routed)
+    h.ex.route(3)
+
+    def body(me):
+        event = h.wait(me, 3, 0)
+        event.value = event.value * 10
+        event.replaced = True
+
+    h.start(body)
+    assert h.ex.post_hook(3)(None, (), 2) == 20
+    assert h.ex.post_hook(3)(None, (), 4) is None
+    assert observed == [20, 4]
+
+
+def test_an_error_raised_by_a_body_reaches_the_policy(hp):
+    class Abort(BaseException):
+        pass
+
+    def message(mediator, msg):
+        if msg == hp.FAILED:
+            raise Abort(mediator.error)
+
+    h = Harness(hp, message=message)
+
+    def body(me):
+        h.wait(me, 1, 0)
+        raise ValueError("bad edit")
+
+    later = h.start(lambda me: me.log.append(h.wait(me, 1, 0)), index=1)
+    failing = h.start(body)
+    lin = torch.nn.Linear(2, 2)
+    handle = lin.register_forward_hook(h.ex.post_hook(1))
+    try:
+        with pytest.raises(Abort) as info:
+            lin(torch.ones(1, 2))
+    finally:
+        handle.remove()
+    assert isinstance(info.value.args[0], ValueError) and str(failing.error) == "bad edit"
+    assert h.messages == [(0, hp.FAILED)]
+    assert later.log == [] and h.ex.current is None  # the run unwinds: nobody else is served
+
+
+def test_stopped_and_other_messages_reach_the_policy(hp):
+    h = Harness(hp)
+
+    def body(me):
+        h.wait(me, 1, 0)
+        me.worker.parent.switch(hp.STOPPED)
+
+    h.start(body)
+    h.ex.post_hook(1)(None, (), 0)
+    assert h.messages == [(0, hp.STOPPED)]
+
+
+def test_serving_takes_over_while_set(hp):
+    h = Harness(hp)
+    served = []
+
+    def serving(event, waiters):
+        served.append((event.key, event.occ, event.value, [m.index for m in waiters]))
+        for mediator in sorted(waiters, key=lambda m: m.index):
+            h.ex.resume(mediator, event)
+
+    body = h.start(lambda me: me.log.append(h.wait(me, 2, 0).value), index=4)
+    h.ex.serving = serving
+    assert h.ex.pre_hook(2)(None, ("x",), {}) is None
+    assert served == [(2, 0, (("x",), {}), [4])] and body.log == [(("x",), {})]
+    assert h.messages == []  # `serving` handles messages itself: resume() reports nothing
+
+
+def test_handoff_returns_the_value_as_bodies_left_it(hp):
+    h = Harness(hp)
+    assert h.ex.handoff(7, "plain") == "plain"
+
+    def body(me):
+        event = h.wait(me, 7, 1)
+        event.value = event.value.upper()
+        event.replaced = True
+
+    h.start(body)
+    assert h.ex.handoff(7, "edited") == "EDITED"
+
+
+def test_end_makes_installed_hooks_inert(hp):
+    h = Harness(hp)
+    h.start(lambda me: me.log.append(h.wait(me, 1, 0)))
+    hook = h.ex.post_hook(1)
+    h.ex.end()
+    assert h.ex.hub is None and h.ex.current is None
+    assert hook(None, (), 0) is None and h.hub.counts[1] == 0
+    with pytest.raises(RuntimeError, match="outside a run"):
+        h.ex.handoff(1, 0)
+    hub = hp.Hub(4, 0, None, None, True)
+    h.ex.begin(hub, threading.get_ident())  # one exchange serves the next run
+    assert not h.ex.is_routed(1) and h.ex.bypass == 0
+    hook(None, (), 0)
+    assert hub.counts[1] == 1
+
+
+def test_bad_arguments_are_type_errors(hp):
+    h = Harness(hp)
+    with pytest.raises(TypeError):
+        h.ex.begin(None, 0)
+    with pytest.raises(TypeError):
+        h.ex.resume(None, None)
+    with pytest.raises(TypeError):
+        h.ex.resume(object(), None)
