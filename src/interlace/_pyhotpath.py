@@ -327,17 +327,17 @@ class Exchange:
         if not isinstance(mediator, MediatorCore):
             raise TypeError(f"Argument 'mediator' has incorrect type (expected "
                             f"{__name__}.MediatorCore, got {type(mediator).__name__})")
-        model_grad = bool(self.is_grad_enabled())
+        model_grad = self.is_grad_enabled()  # (grad modes are bools: no bool() as in C)
         body_grad = mediator.body_grad
         self.current = mediator
         mediator.event = event
         try:
-            if body_grad is not None and bool(body_grad) != model_grad:
-                self.set_grad_enabled(bool(body_grad))
+            if body_grad is not None and body_grad != model_grad:
+                self.set_grad_enabled(body_grad)
             return mediator.worker.switch(payload)
         finally:
             # Back on the model side: its grad mode again, whatever the body did.
-            if bool(self.is_grad_enabled()) != model_grad:
+            if self.is_grad_enabled() != model_grad:
                 self.set_grad_enabled(model_grad)
             mediator.event = None
             self.current = None
