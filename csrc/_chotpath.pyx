@@ -222,22 +222,23 @@ cdef class Exchange:
     `pre_hook(key)`/`post_hook(key)` make the callables torch calls. Each one ignores calls
     while `bypass` is non-zero or from a thread other than `thread`, counts the occurrence
     (`Hub.fire`), takes the bodies waiting for it (`Hub.take`) and, when there are none,
-    returns None at once. Otherwise it makes an `Event` and hands it to each waiting body in
-    invoke order (`serve`), and returns the value a body assigned, if any.
+    returns None at once. Otherwise it makes an `Event`, hands it to each waiting body in
+    invoke order (`serve`) and returns the value a body assigned, if one did.
 
     Policy stays in Python, as callables this calls:
-      routed(key, occ, value) -> what the hook returns: the whole rest of the event, for
-          keys marked with `route(key)` (observers, pending skips); `value` is the output,
-          or `(args, kwargs)` for a pre-hook.
-      serving(event, waiters): serves an event in place of the compiled loop while set
+      routed(key, occ, value) -> what the hook returns: the rest of the event after the
+          count, for keys marked with `route(key)` (observers, pending skips); `value` is the
+          output, or `(args, kwargs)` for a pre-hook. It usually calls `deliver`.
+      message(mediator, message, event): a body came back with anything but PARKED; may
+          raise to unwind the forward (a body failed, `tracer.stop()`).
+      paused(mediator, event): while set, called after each body served has paused or ended
           (sharing variables between invokes, barriers).
-      message(mediator, message): a body came back with anything but PARKED; may raise to
-          unwind the forward (a body failed, `tracer.stop()`).
     `is_grad_enabled`/`set_grad_enabled` are torch's (passed in: this module stays torch-free).
 
     One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
-    (hooks left installed then do nothing) and drops what it referenced.
-    Ownership: every field is a strong reference; `end()` releases the per-run ones.
+    (hooks left installed then do nothing) and drops its per-run references.
+    Ownership: every field is a strong reference; `end()` releases the per-run ones (hub,
+    current, paused, routes); the policy callables stay until replaced.
     """
 
     cdef public Hub hub
@@ -245,8 +246,8 @@ cdef class Exchange:
     cdef public Py_ssize_t bypass    # > 0: hooks ignore calls (a body calls a module itself)
     cdef public unsigned long thread
     cdef public object routed
-    cdef public object serving
     cdef public object message
+    cdef public object paused
     cdef bytearray routes            # per key: non-zero sends its events to `routed`
     cdef object is_grad_enabled
     cdef object set_grad_enabled
@@ -256,7 +257,7 @@ cdef class Exchange:
         self.set_grad_enabled = set_grad_enabled
         self.routed = routed
         self.message = message
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
         self.hub = None
         self.current = None
@@ -269,14 +270,14 @@ cdef class Exchange:
         self.thread = thread
         self.current = None
         self.bypass = 0
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
 
     def end(self):
         """The run is over: hooks still installed do nothing; per-run references are dropped."""
         self.hub = None
         self.current = None
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
 
     def route(self, Py_ssize_t key, bint on=True):
@@ -290,6 +291,21 @@ cdef class Exchange:
 
     def is_routed(self, Py_ssize_t key):
         return key < len(self.routes) and self.routes[key] != 0
+
+    def grow(self, Py_ssize_t nkeys, visits=None, positions=None):
+        """Make room in the hub for keys up to `nkeys` (locations added during the run), counted
+        exactly from now on; `visits`/`positions`: the learned order's, grown with them."""
+        cdef Hub hub = self.hub
+        cdef Py_ssize_t missing
+        if hub is None:
+            raise RuntimeError("Exchange.grow() outside a run: call begin(hub, thread) first")
+        missing = nkeys - len(hub.counts)
+        if missing > 0:  # the hub indexes its tables unchecked: grow them before any fire
+            hub.counts.extend([0] * missing)
+            hub.exact.extend([True] * missing)
+            if hub.visits is not None:
+                hub.visits = visits
+                hub.positions = positions
 
     def pre_hook(self, Py_ssize_t key):
         """The callable(module, args, kwargs) for a with-kwargs forward pre-hook at `key`."""
@@ -321,27 +337,31 @@ cdef class Exchange:
         return None
 
     def handoff(self, Py_ssize_t key, value):
-        """A location without a hook (fired by hand) happens: the value, as bodies left it."""
+        """Location `key` happens with `value` (fired by hand, no hook): counts it and serves
+        it; returns the `Event` as the bodies left it, or None when nobody waited."""
         cdef Hub hub = self.hub
-        cdef Py_ssize_t occ
-        cdef Event event
         if hub is None:
             raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
-        occ = hub.fire(key)
+        return self.deliver(key, hub.fire(key), value)
+
+    cpdef deliver(self, Py_ssize_t key, Py_ssize_t occ, value):
+        """Occurrence `occ` of `key` (already counted) has `value`: serves the bodies waiting
+        for it; returns the `Event` as they left it, or None when nobody waited."""
+        cdef Hub hub = self.hub
+        cdef Event event
+        if hub is None:
+            raise RuntimeError("Exchange.deliver() outside a run: call begin(hub, thread) first")
         waiters = hub.take(key, occ)
         if waiters is None:
-            return value
+            return None
         event = Event(key, occ, value)
         self.serve(event, waiters)
-        return event.value
+        return event
 
     cpdef serve(self, event, list waiters):
-        """Hand `event` to each body in `waiters` in invoke order (`serving` instead, if set)."""
+        """Hand `event` to each body in `waiters`, in invoke order (then `paused`, if set)."""
         cdef Py_ssize_t i, j, n = len(waiters)
         cdef MediatorCore mediator
-        if self.serving is not None:
-            self.serving(event, waiters)
-            return
         if n > 1:  # insertion sort by invoke order: stable, and the lists are short
             for i in range(1, n):
                 mediator = <MediatorCore?>waiters[i]
@@ -354,7 +374,9 @@ cdef class Exchange:
             mediator = <MediatorCore?>waiters[i]
             message = self.resume(mediator, event, None)
             if message != 1 and self.message is not None:  # 1: PARKED
-                self.message(mediator, message)
+                self.message(mediator, message, event)
+            if self.paused is not None:
+                self.paused(mediator, event)
 
     cpdef resume(self, MediatorCore mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.

@@ -203,24 +203,24 @@ class Exchange:
     `pre_hook(key)`/`post_hook(key)` make the callables torch calls. Each one ignores calls
     while `bypass` is non-zero or from a thread other than `thread`, counts the occurrence
     (`Hub.fire`), takes the bodies waiting for it (`Hub.take`) and, when there are none,
-    returns None at once. Otherwise it makes an `Event` and hands it to each waiting body in
-    invoke order (`serve`), and returns the value a body assigned, if any.
+    returns None at once. Otherwise it makes an `Event`, hands it to each waiting body in
+    invoke order (`serve`) and returns the value a body assigned, if one did.
 
     Policy stays in Python, as callables this calls:
-      routed(key, occ, value) -> what the hook returns: the whole rest of the event, for
-          keys marked with `route(key)` (observers, pending skips); `value` is the output,
-          or `(args, kwargs)` for a pre-hook.
-      serving(event, waiters): serves an event in place of the compiled loop while set
+      routed(key, occ, value) -> what the hook returns: the rest of the event after the
+          count, for keys marked with `route(key)` (observers, pending skips); `value` is the
+          output, or `(args, kwargs)` for a pre-hook. It usually calls `deliver`.
+      message(mediator, message, event): a body came back with anything but PARKED; may
+          raise to unwind the forward (a body failed, `tracer.stop()`).
+      paused(mediator, event): while set, called after each body served has paused or ended
           (sharing variables between invokes, barriers).
-      message(mediator, message): a body came back with anything but PARKED; may raise to
-          unwind the forward (a body failed, `tracer.stop()`).
     `is_grad_enabled`/`set_grad_enabled` are torch's (passed in: this module stays torch-free).
 
     One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
-    (hooks left installed then do nothing) and drops what it referenced.
+    (hooks left installed then do nothing) and drops its per-run references.
     """
 
-    __slots__ = ("hub", "current", "bypass", "thread", "routed", "serving", "message",
+    __slots__ = ("hub", "current", "bypass", "thread", "routed", "message", "paused",
                  "routes", "is_grad_enabled", "set_grad_enabled")
 
     def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None):
@@ -228,7 +228,7 @@ class Exchange:
         self.set_grad_enabled = set_grad_enabled
         self.routed = routed
         self.message = message
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
         self.hub = None
         self.current = None
@@ -243,14 +243,14 @@ class Exchange:
         self.thread = thread
         self.current = None
         self.bypass = 0
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
 
     def end(self):
         """The run is over: hooks still installed do nothing; per-run references are dropped."""
         self.hub = None
         self.current = None
-        self.serving = None
+        self.paused = None
         self.routes = bytearray()
 
     def route(self, key, on=True):
@@ -264,6 +264,20 @@ class Exchange:
 
     def is_routed(self, key):
         return key < len(self.routes) and self.routes[key] != 0
+
+    def grow(self, nkeys, visits=None, positions=None):
+        """Make room in the hub for keys up to `nkeys` (locations added during the run), counted
+        exactly from now on; `visits`/`positions`: the learned order's, grown with them."""
+        hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.grow() outside a run: call begin(hub, thread) first")
+        missing = nkeys - len(hub.counts)
+        if missing > 0:  # the hub indexes its tables unchecked: grow them before any fire
+            hub.counts.extend([0] * missing)
+            hub.exact.extend([True] * missing)
+            if hub.visits is not None:
+                hub.visits = visits
+                hub.positions = positions
 
     def pre_hook(self, key):
         """The callable(module, args, kwargs) for a with-kwargs forward pre-hook at `key`."""
@@ -292,29 +306,36 @@ class Exchange:
         return None
 
     def handoff(self, key, value):
-        """A location without a hook (fired by hand) happens: the value, as bodies left it."""
+        """Location `key` happens with `value` (fired by hand, no hook): counts it and serves
+        it; returns the `Event` as the bodies left it, or None when nobody waited."""
         hub = self.hub
         if hub is None:
             raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
-        occ = hub.fire(key)
+        return self.deliver(key, hub.fire(key), value)
+
+    def deliver(self, key, occ, value):
+        """Occurrence `occ` of `key` (already counted) has `value`: serves the bodies waiting
+        for it; returns the `Event` as they left it, or None when nobody waited."""
+        hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.deliver() outside a run: call begin(hub, thread) first")
         waiters = hub.take(key, occ)
         if waiters is None:
-            return value
+            return None
         event = Event(key, occ, value)
         self.serve(event, waiters)
-        return event.value
+        return event
 
     def serve(self, event, waiters):
-        """Hand `event` to each body in `waiters` in invoke order (`serving` instead, if set)."""
-        if self.serving is not None:
-            self.serving(event, waiters)
-            return
+        """Hand `event` to each body in `waiters`, in invoke order (then `paused`, if set)."""
         if len(waiters) > 1:
             waiters.sort(key=_invoke_order)  # stable, like the compiled insertion sort
         for mediator in waiters:
             message = self.resume(mediator, event, None)
             if message != 1 and self.message is not None:  # 1: PARKED
-                self.message(mediator, message)
+                self.message(mediator, message, event)
+            if self.paused is not None:
+                self.paused(mediator, event)
 
     def resume(self, mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.

@@ -33,10 +33,10 @@ class Harness:
         self.hub = hp.Hub(nkeys, 0, None, None, True)
         self.messages = []
 
-        def record(mediator, msg):
+        def record(mediator, msg, event):
             self.messages.append((mediator.index, msg))
             if message is not None:
-                message(mediator, msg)
+                message(mediator, msg, event)
 
         self.ex = hp.Exchange(torch.is_grad_enabled, torch._C._set_grad_enabled, routed, record)
         self.ex.begin(self.hub, threading.get_ident())
@@ -264,10 +264,10 @@ def test_a_routed_policy_can_serve_through_the_exchange(hp):
     h = None
 
     def routed(key, occ, value):  # what an observer does: serve, then look at the result
-        waiters = h.hub.take(key, occ)
-        event = hp.Event(key, occ, value)
-        if waiters is not None:
-            h.ex.serve(event, waiters)
+        event = h.ex.deliver(key, occ, value)
+        if event is None:
+            observed.append(value)
+            return None
         observed.append(event.value)
         return event.value if event.replaced else None
 
@@ -289,9 +289,9 @@ def test_an_error_raised_by_a_body_reaches_the_policy(hp):
     class Abort(BaseException):
         pass
 
-    def message(mediator, msg):
+    def message(mediator, msg, event):
         if msg == hp.FAILED:
-            raise Abort(mediator.error)
+            raise Abort(mediator.error, event.value)
 
     h = Harness(hp, message=message)
 
@@ -309,6 +309,7 @@ def test_an_error_raised_by_a_body_reaches_the_policy(hp):
     finally:
         handle.remove()
     assert isinstance(info.value.args[0], ValueError) and str(failing.error) == "bad edit"
+    assert info.value.args[1].shape == (1, 2)  # the policy sees the event the body failed at
     assert h.messages == [(0, hp.FAILED)]
     assert later.log == [] and h.ex.current is None  # the run unwinds: nobody else is served
 
@@ -325,33 +326,44 @@ def test_stopped_and_other_messages_reach_the_policy(hp):
     assert h.messages == [(0, hp.STOPPED)]
 
 
-def test_serving_takes_over_while_set(hp):
+def test_paused_runs_after_each_body_served(hp):
     h = Harness(hp)
-    served = []
-
-    def serving(event, waiters):
-        served.append((event.key, event.occ, event.value, [m.index for m in waiters]))
-        for mediator in sorted(waiters, key=lambda m: m.index):
-            h.ex.resume(mediator, event)
-
-    body = h.start(lambda me: me.log.append(h.wait(me, 2, 0).value), index=4)
-    h.ex.serving = serving
+    calls = []
+    h.ex.paused = lambda mediator, event: calls.append((mediator.index, event.value, h.ex.current))
+    first = h.start(lambda me: me.log.append(h.wait(me, 2, 0).value), index=0)
+    h.start(lambda me: (h.wait(me, 2, 0), h.wait(me, 2, 1)), index=1)
     assert h.ex.pre_hook(2)(None, ("x",), {}) is None
-    assert served == [(2, 0, (("x",), {}), [4])] and body.log == [(("x",), {})]
-    assert h.messages == []  # `serving` handles messages itself: resume() reports nothing
+    assert calls == [(0, (("x",), {}), None), (1, (("x",), {}), None)]
+    assert first.log == [(("x",), {})] and h.messages == [(0, hp.DONE)]  # message before paused
 
 
-def test_handoff_returns_the_value_as_bodies_left_it(hp):
+def test_handoff_and_deliver_return_the_event_as_bodies_left_it(hp):
     h = Harness(hp)
-    assert h.ex.handoff(7, "plain") == "plain"
+    assert h.ex.handoff(7, "plain") is None and h.hub.counts[7] == 1
 
     def body(me):
         event = h.wait(me, 7, 1)
         event.value = event.value.upper()
         event.replaced = True
+        event = h.wait(me, 6, 0)
+        me.log.append(event.value)
 
-    h.start(body)
-    assert h.ex.handoff(7, "edited") == "EDITED"
+    body = h.start(body)
+    event = h.ex.handoff(7, "edited")
+    assert (event.key, event.occ, event.value, event.replaced) == (7, 1, "EDITED", True)
+    assert h.ex.deliver(6, 1, "not this one") is None and h.hub.nparked == 1
+    event = h.ex.deliver(6, 0, "read")
+    assert event.replaced is False and body.log == ["read"]
+    assert h.hub.counts[6] == 0  # deliver does not count: the caller did
+
+
+def test_grow_makes_room_for_added_keys(hp):
+    h = Harness(hp, nkeys=4)
+    h.ex.grow(6)
+    assert h.hub.counts == [0] * 6 and h.hub.exact[4:] == [True, True]
+    assert h.ex.handoff(5, "x") is None and h.hub.counts[5] == 1
+    h.ex.grow(3)  # never shrinks
+    assert len(h.hub.counts) == 6
 
 
 def test_end_makes_installed_hooks_inert(hp):
@@ -361,8 +373,9 @@ def test_end_makes_installed_hooks_inert(hp):
     h.ex.end()
     assert h.ex.hub is None and h.ex.current is None
     assert hook(None, (), 0) is None and h.hub.counts[1] == 0
-    with pytest.raises(RuntimeError, match="outside a run"):
-        h.ex.handoff(1, 0)
+    for call in (lambda: h.ex.handoff(1, 0), lambda: h.ex.deliver(1, 0, 0), lambda: h.ex.grow(9)):
+        with pytest.raises(RuntimeError, match="outside a run"):
+            call()
     hub = hp.Hub(4, 0, None, None, True)
     h.ex.begin(hub, threading.get_ident())  # one exchange serves the next run
     assert not h.ex.is_routed(1) and h.ex.bypass == 0
