@@ -5,8 +5,11 @@ with a strong reference to the code object kept next to the verdict: keying by `
 required because on 3.12+ `hash(code)` covers the bytecode, which the skip may patch, and the
 reference stops the id from being reused by another code object. Negative verdicts
 (`WithBlockNotFoundError`, `UnsupportedBlockError`) are cached too, so a bad site costs one
-parse, not one per call. Code objects seen by a tracer therefore live as long as the process;
-that is the price of a warm capture being one dict lookup.
+parse, not one per call. A code object seen by a tracer therefore lives as long as its entry;
+that is the price of a warm capture being one dict lookup. `BLOCKS` keeps the latest
+`BLOCKS_LIMIT` sites (dropping the oldest cannot disturb a trace running there: the trace
+holds its Block; the next one captures the site again), and each Block keeps its latest
+`FUNCTIONS_LIMIT` compiled bodies.
 
 Only the `with` statement itself is parsed (a slice of the file, from the `with` line to the
 first line back at its indentation); the whole file is parsed only when the slice does not
@@ -56,8 +59,12 @@ from ..errors import UnsupportedBlockError, WithBlockNotFoundError
 from .. import versions
 from . import skip, source
 
-# (id(code), f_lasti, steps key) -> (code, Block | _Refusal)
+# (id(code), f_lasti, steps key) -> (code, Block | _Refusal); the latest BLOCKS_LIMIT sites.
 BLOCKS: dict[tuple, tuple] = {}
+#: How many call sites BLOCKS keeps. A program has far fewer; code compiled again and again
+#: (a notebook cell run many times, generated code) makes new sites, and each Block holds an
+#: AST and compiled code. The oldest go first; meeting an evicted site again captures it again.
+BLOCKS_LIMIT = 1024
 
 # Opcodes that call __enter__/__aenter__ for one with item (3.10: SETUP_WITH; 3.11+:
 # BEFORE_WITH; both: BEFORE_ASYNC_WITH). 3.10's SETUP_ASYNC_WITH comes after the awaited
@@ -119,8 +126,8 @@ class Block:
     def __init__(self, **facts):
         for name in self.__slots__:
             setattr(self, name, facts.get(name))
-        self._functions = {}  # params -> code
-        self.callables = {}  # (params, id(globals)) -> function (it holds the globals alive)
+        self._functions = _Recent(FUNCTIONS_LIMIT)  # params -> code
+        self.callables = _Recent(FUNCTIONS_LIMIT)  # (params, id(globals)) -> function (holds the globals)
 
     def __repr__(self):
         return f"<Block {self.filename}:{self.lineno} in {self.co_name} assigns {sorted(self.assigned_names)}>"
@@ -152,19 +159,51 @@ class Block:
 
     def _register(self, code):
         if self.item_index < self.n_items - 1:  # the body is `with <later items>: body`
-            _SYNTHETIC[id(code)] = (code, self.node, self.item_index + 1)
+            import weakref  # (capture time only)
+
+            key = id(code)
+            # Weak, and gone with the code: an entry must live exactly as long as the body
+            # code it describes (without it, a `with` in that body would be read as the
+            # source's outer `with`), and no longer.
+            _SYNTHETIC[key] = (weakref.ref(code, lambda _, key=key: _SYNTHETIC.pop(key, None)), self.node, self.item_index + 1)
 
     # -- pickling: keep the facts and the source, drop the AST and compiled code -------
     def __getstate__(self):
         state = {name: getattr(self, name) for name in self.__slots__}
-        state.update(node=None, statements=None, skip_plan=None, callables={}, _functions={})
+        state.update(node=None, statements=None, skip_plan=None, callables=None, _functions=None)
         return state
 
     def __setstate__(self, state):
         for name in self.__slots__:
             setattr(self, name, state.get(name))
-        self._functions = {}
-        self.callables = {}
+        self._functions = _Recent(FUNCTIONS_LIMIT)
+        self.callables = _Recent(FUNCTIONS_LIMIT)
+
+
+#: Compiled bodies and body functions a Block keeps. One set of bound names and one globals
+#: dict is the rule; a site `exec`'d with a fresh globals dict each time would otherwise keep
+#: every one of those dicts alive through its function.
+FUNCTIONS_LIMIT = 8
+
+
+class _Recent(dict):
+    """A dict that keeps its latest `limit` insertions (`d[k] = v`; the oldest go first).
+    Lookups are plain dict lookups; what goes is rebuilt on demand, and whoever holds an
+    evicted value (a running body holds its function) keeps it."""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        while len(self) > self.limit:
+            try:
+                del self[next(iter(self))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                break
 
 
 class _Refusal:
@@ -180,8 +219,8 @@ class _Refusal:
         return self.error_type(self.message)
 
 
-# id(code of a compiled body) -> (code, the source With node, index of its first item that
-# the body enters): a tracer that is not the last item of `with T(), B():` compiles its body as
+# id(code of a compiled body) -> (weakref to the code, the source With node, index of its first
+# item that the body enters): a tracer that is not the last item of `with T(), B():` compiles its body as
 # `with B(): body`, whose items are then found from here rather than from the source (3.10
 # has no columns to tell the two apart on a shared line).
 _SYNTHETIC: dict = {}
@@ -198,10 +237,22 @@ def capture(frame, steps, key_extra=None):
         except (WithBlockNotFoundError, UnsupportedBlockError) as error:
             verdict = _Refusal(type(error), str(error))
         entry = BLOCKS.setdefault(key, (code, verdict))  # two threads at once agree on one
+        if len(BLOCKS) > BLOCKS_LIMIT:
+            _evict_oldest()
     verdict = entry[1]
     if type(verdict) is _Refusal:
         raise verdict.error()
     return verdict
+
+
+def _evict_oldest():
+    """Drop the oldest sites past BLOCKS_LIMIT. A trace running at a dropped site holds its own
+    Block (and plan); the next trace there captures the site again."""
+    while len(BLOCKS) > BLOCKS_LIMIT:
+        try:
+            BLOCKS.pop(next(iter(BLOCKS)), None)
+        except (RuntimeError, StopIteration):  # another thread changed BLOCKS meanwhile
+            break
 
 
 # -- locating the site ---------------------------------------------------------------------
@@ -263,16 +314,21 @@ def parse(lines, site):
     return None if tree is None else _find_with(tree, site.lineno, site.col, site.position)
 
 
-_TREES: dict = {}  # filename -> whole-file AST (the fallback only), or None if it does not parse
+# filename -> whole-file AST (the fallback only), or None if it does not parse; a few files.
+_TREES: dict = _Recent(4)
 
 
 def _whole_file(filename, lines):
-    if filename not in _TREES:
-        try:
-            _TREES[filename] = ast.parse("".join(lines))
-        except (SyntaxError, ValueError):
-            _TREES[filename] = None
-    return _TREES[filename]
+    try:
+        return _TREES[filename]
+    except KeyError:
+        pass
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        tree = None
+    _TREES[filename] = tree
+    return tree
 
 
 def _with_start(lines, lineno):
@@ -339,7 +395,7 @@ def _synthetic_item(code, lasti):
     """(source With node, item index) when `code` is a compiled body that enters the later
     items of a multi-item `with` and `lasti` is one of them; else None."""
     entry = _SYNTHETIC.get(id(code))
-    if entry is None or entry[0] is not code:
+    if entry is None or entry[0]() is not code:
         return None
     node, base = entry[1], entry[2]
     raw = code.co_code
