@@ -309,11 +309,11 @@ cdef class Exchange:
 
     def pre_hook(self, Py_ssize_t key):
         """The callable(module, args, kwargs) for a with-kwargs forward pre-hook at `key`."""
-        return Hook(self, key, True)
+        return Hook(self, key, True).call  # a bound method: called without an argument tuple
 
     def post_hook(self, Py_ssize_t key):
         """The callable(module, args, output) for a forward hook at `key`."""
-        return Hook(self, key, False)
+        return Hook(self, key, False).call
 
     cdef object on_hook(self, Py_ssize_t key, bint pre, args, third):
         # One hook call; `third` is the pre-hook's kwargs or the forward hook's output.
@@ -416,6 +416,11 @@ cdef class Hook:
         self.exchange = exchange
         self.key = key
         self.pre = pre
+
+    def call(self, module, args, third):
+        """The hook (`Exchange.pre_hook`/`post_hook` hand out this bound method: torch calls
+        it through vectorcall, where calling the object itself would build an argument tuple)."""
+        return self.exchange.on_hook(self.key, self.pre, args, third)
 
     def __call__(self, module, args, third):
         return self.exchange.on_hook(self.key, self.pre, args, third)

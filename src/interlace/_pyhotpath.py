@@ -374,5 +374,9 @@ class Hook:
         self.key = key
         self.pre = pre
 
+    def call(self, module, args, third):
+        """The hook, as a bound method (the compiled exchange hands these out)."""
+        return self.exchange.on_hook(self.key, self.pre, module, args, third)
+
     def __call__(self, module, args, third):
         return self.exchange.on_hook(self.key, self.pre, module, args, third)

@@ -85,7 +85,8 @@ def test_no_waiter_returns_none_and_counts(hp):
     assert pre(None, (1,), {}) is None
     assert post(None, (1,), "out") is None
     assert post(None, (1,), "out") is None
-    assert h.hub.counts[2:4] == [1, 2] and h.hub.record == [2, 3, 3]
+    assert hp.Hook(h.ex, 3, False)(None, (1,), "out") is None  # the object itself is a hook too
+    assert h.hub.counts[2:4] == [1, 3] and h.hub.record == [2, 3, 3, 3]
     assert h.messages == []
 
 
