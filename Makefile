@@ -56,7 +56,9 @@ test-core-versions:
 # Every workload and contender in one run: a markdown report on stdout, figures in
 # build/bench-cpu.json (benchmarks/README.md). nnsight 0.8.1 and TransformerLens are measured
 # when installed (`$(PY) -m pip install -e ".[bench]"`), else skipped with a line saying so.
-# BENCH_ARGS, e.g. "--device cuda" or "--repeats 300 --shapes tiny".
+# BENCH_ARGS, e.g. "--device cuda" or "--repeats 300 --shapes tiny"; "--baseline REF" also measures
+# interlace as it was at git ref REF (exported and built under build/baseline-<sha>), in the same
+# rounds: every table gets its column and a before -> after line.
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
 

@@ -4,12 +4,14 @@
     python -m benchmarks --device cuda            # the same on a GPU (bf16, synchronised timing)
     python -m benchmarks --repeats 2 --shapes tiny --json out.json   # the smoke test's run
     python -m benchmarks --workloads save_one,edit_slope --contenders hooks,interlace
+    python -m benchmarks --baseline 2eafd86       # before/after: interlace at 2eafd86, built, beside this tree's
 
 Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), interlace
-native, the interlace twin (a worker process, taking turns with this one), nnsight 0.8.1 and
-TransformerLens when installed (`pip install -e '.[bench]'`); a missing one is skipped with a
-line saying so. Workloads: benchmarks/workloads.py. The report goes to stdout, the figures to
---json (default build/bench-<device>.json); progress goes to stderr.
+native, the interlace twin (a worker process, taking turns with this one), with --baseline
+interlace as it was at that git ref (benchmarks/baseline.py; another worker process), nnsight
+0.8.1 and TransformerLens when installed (`pip install -e '.[bench]'`); a missing one is
+skipped with a line saying so. Workloads: benchmarks/workloads.py. The report goes to stdout,
+the figures to --json (default build/bench-<device>.json); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import platform
 import sys
 import time
 
+from . import baseline as B
 from . import contenders as C
 from . import measure, report, subjects, workloads
 
@@ -33,7 +36,12 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=100, help="timed rounds per case (costly workloads run fewer)")
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(subjects.SHAPES)}")
     p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(workloads.WORKLOADS)}")
-    p.add_argument("--contenders", default=None, help="comma-separated, of raw, hooks, interlace, twin, nnsight, tlens")
+    p.add_argument("--contenders", default=None,
+                   help="comma-separated, of raw, hooks, interlace, twin, baseline, nnsight, tlens")
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="also measure interlace as it was at this git ref (built in place): before/after in one run")
+    p.add_argument("--baseline-dir", default=None, metavar="DIR",
+                   help="where REF's tree is exported and built (default: build/, reused across runs)")
     p.add_argument("--json", default=None, help="where to write the figures")
     o = p.parse_args(argv)
     device = "cuda" if o.device.startswith("cuda") else "cpu"
@@ -53,6 +61,7 @@ def parse(argv):
         if not torch.cuda.is_available():
             p.error(f"--device {o.device}: torch {torch.__version__} sees no CUDA device here")
     o.json = o.json or os.path.join(measure.ROOT, "build", f"bench-{device}.json")
+    o.baseline_dir = o.baseline_dir or os.path.join(measure.ROOT, "build")
     return o
 
 
@@ -88,7 +97,7 @@ def timed(w, cases, active, settings, o) -> dict:
     """A timed workload: each case's contenders checked against the floor, then timed together."""
     rounds = max(2, round(o.repeats * w.rounds))
     warmup = max(1, rounds // 10)
-    out = {"title": w.title, "floor": cases[0].floor if cases else "hooks", "cases": {}}
+    out = {"title": w.title, "goal": w.goal, "floor": cases[0].floor if cases else "hooks", "cases": {}}
     for case in cases:
         progress(f"{w.name}: {case.label} ({rounds} rounds)")
         runners, results, failed = {}, {}, {}
@@ -108,9 +117,14 @@ def timed(w, cases, active, settings, o) -> dict:
             del result
         checks = measure.agree(results, case.floor, loose=frozenset({"tlens"}))
         del results
-        rows = measure.summarize(measure.interleaved(runners, rounds, warmup), case.floor, case.per_call)
+        times = measure.interleaved(runners, rounds, warmup)
+        rows = measure.summarize(times, case.floor, case.per_call)
         for name, (ok, diff) in checks.items():
             rows[name].update(agrees=ok, max_diff=diff)
+        if "baseline" in times and "interlace" in times:
+            # after / before, round by round: both ran in every round, so a burst of load hits both
+            rows["interlace"]["vs_baseline"] = measure.summarize(
+                {"a": times["interlace"], "b": times["baseline"]}, "b")["a"]["ratio"]
         out["cases"][case.label] = {**rows, **failed}
     return out
 
@@ -130,8 +144,34 @@ def peak(w, cases, active, settings) -> dict:
             values[c.name] = None
             progress(f"  {c.label} failed: {type(error).__name__}: {str(error)[:300]}")
     base = values.get("raw") or 0
-    return {"title": w.title, "case": case.label, "peak_bytes": values,
+    return {"title": w.title, "goal": w.goal, "case": case.label, "peak_bytes": values,
             "peak": {n: None if v is None else v - base for n, v in values.items()}}
+
+
+def baseline_contender(o, settings):
+    """(contender, info) for --baseline REF: its tree exported and built, its worker started;
+    when any step fails, a contender that is unavailable with one line saying why."""
+    label = f"interlace@{o.baseline} (native)"
+    made = B.prepare(o.baseline, measure.ROOT, o.baseline_dir, log=progress)
+    if isinstance(made, str):
+        return measure.RemoteContender(None, "baseline", label, reason=made), {"ref": o.baseline, "skipped": made}
+    info = {"ref": made.ref, "sha": made.sha, "tree": made.tree, "label": made.label}
+    progress(f"starting the baseline's worker process ({made.label})")
+    try:
+        worker = measure.Worker(settings, src=made.src)
+    except (RuntimeError, OSError) as error:
+        why = f"its worker process failed to start: {str(error).strip().splitlines()[-1]}"
+        return measure.RemoteContender(None, "baseline", made.label, reason=why), {**info, "skipped": why}
+    got = worker.info
+    why = None
+    if not os.path.realpath(got["file"]).startswith(os.path.realpath(made.src) + os.sep):
+        why = f"its worker imported interlace from {got['file']}, not from {made.src}"
+    elif not got["native"]:
+        why = "its worker loaded the pure-Python twin, not the compiled extension"
+    if why:
+        worker.close()
+        return measure.RemoteContender(None, "baseline", made.label, reason=why), {**info, "skipped": why}
+    return measure.RemoteContender(worker, "baseline", made.label), info
 
 
 def main(argv=None) -> int:
@@ -139,14 +179,37 @@ def main(argv=None) -> int:
     settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
     measure.configure(settings)
     wanted = set(o.contenders.split(",")) if o.contenders else None
+    if wanted is not None and o.baseline:
+        wanted.add("baseline")  # asked for by name
 
-    everyone = [C.Raw(), C.Hooks(), C.Interlace()]
-    worker = None
-    if wanted is None or "twin" in wanted:
-        progress("starting the twin's worker process")
-        worker = measure.Worker(settings)
-        everyone.append(measure.RemoteContender(worker))
-    everyone += [C.NNsight(), C.TransformerLens()]
+    everyone, workers, baseline = [C.Raw(), C.Hooks()], [], None
+    try:
+        if o.baseline:
+            contender, baseline = baseline_contender(o, settings)
+            everyone.append(contender)
+            if contender.worker is not None:
+                workers.append(contender.worker)
+        everyone.append(C.Interlace())
+        if wanted is None or "twin" in wanted:
+            progress("starting the twin's worker process")
+            workers.append(measure.Worker(settings, twin=True))
+            everyone.append(measure.RemoteContender(workers[-1]))
+        everyone += [C.NNsight(), C.TransformerLens()]
+        results = run(o, settings, everyone, wanted, baseline)
+    finally:
+        for worker in workers:
+            worker.close()
+    text = report.markdown(results)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
+    with open(o.json, "w") as f:
+        json.dump({**results, "markdown": text}, f, indent=1, default=str)
+    progress(f"figures written to {o.json}")
+    return 0
+
+
+def run(o, settings, everyone, wanted, baseline) -> dict:
+    """Every selected workload for every available contender: the results (JSON-ready)."""
     active, skipped = [], {}
     for c in everyone:
         if wanted is not None and c.name not in wanted:
@@ -159,54 +222,48 @@ def main(argv=None) -> int:
     for label, why in skipped.items():
         progress(f"skipping {label}: {why}")
     names = [c.name for c in active]
+    labels = {c.name: c.label for c in everyone}
+    sources = {"baseline": os.path.join(baseline["tree"], "src")} if "baseline" in names else {}
     results = {
         "hardware": hardware(o), "settings": {**settings, "repeats": o.repeats, "shapes": o.shapes},
-        "contenders": names, "labels": {c.name: c.label for c in everyone},
+        "contenders": names, "labels": labels, "baseline": baseline,
         "versions": {c.name: c.version for c in active if c.version}, "skipped": skipped, "workloads": {},
     }
     pycache = workloads.pycache_dir()
-    try:
-        for wname in o.workloads:
-            w = workloads.WORKLOADS[wname]
-            if wname == "import":
-                progress("import: fresh interpreters")
-                which = [n for n in ("raw", "interlace", "twin", "nnsight", "tlens") if n in names or n == "raw"]
-                if "nnsight" in which or "tlens" in which:
-                    which.append("torch")  # what they import first, for scale
-                rows = workloads.import_times(which, max(1, o.repeats // 10), pycache, warm=o.repeats > 2)
-                results["workloads"][wname] = {
-                    "title": w.title, "rows": rows,
-                    "columns": ["wall_ms", "min_wall_ms", "cpu_ms", "over_empty_wall_ms", "over_empty_cpu_ms"]}
-            elif wname == "cold_start":
-                which = [n for n in ("interlace", "twin", "nnsight", "tlens") if n in names]
-                shape = workloads.pick(o, "gpt2-small")
-                progress(f"cold_start: fresh processes, {shape}")
-                rows = workloads.cold_start(which, shape, max(1, o.repeats // 25), settings, pycache,
-                                            warm=o.repeats > 2)
-                results["workloads"][wname] = {
-                    "title": f"{w.title}, {shape}", "rows": rows,
-                    "columns": ["import_ms", "wrap_ms", "first_ms", "new_site_ms", "warm_ms"]}
-            elif wname == "peak_memory":
-                results["workloads"][wname] = peak(w, w.cases(o), active, settings)
-            else:
-                cases = w.cases(o)
-                entry = timed(w, cases, active, settings, o)
-                if wname == "edit_slope":
-                    entry["summary"] = slopes(entry, cases)
-                if wname == "wrapped":
-                    entry["structural"] = wrapped_structure(cases[0], active, settings)
-                results["workloads"][wname] = entry
-    finally:
-        if worker is not None:
-            worker.close()
+    for wname in o.workloads:
+        w = workloads.WORKLOADS[wname]
+        if wname == "import":
+            progress("import: fresh interpreters")
+            which = [n for n in ("raw", "baseline", "interlace", "twin", "nnsight", "tlens") if n in names or n == "raw"]
+            if "nnsight" in which or "tlens" in which:
+                which.append("torch")  # what they import first, for scale
+            rows = workloads.import_times(which, max(1, o.repeats // 10), pycache, warm=o.repeats > 2,
+                                          sources=sources, labels=labels)
+            results["workloads"][wname] = {
+                "title": w.title, "goal": w.goal, "rows": rows,
+                "columns": ["wall_ms", "min_wall_ms", "cpu_ms", "over_empty_wall_ms", "over_empty_cpu_ms"]}
+        elif wname == "cold_start":
+            which = [n for n in ("baseline", "interlace", "twin", "nnsight", "tlens") if n in names]
+            shape = workloads.pick(o, "gpt2-small")
+            progress(f"cold_start: fresh processes, {shape}")
+            rows = workloads.cold_start(which, shape, max(1, o.repeats // 25), settings, pycache,
+                                        warm=o.repeats > 2, sources=sources)
+            results["workloads"][wname] = {
+                "title": f"{w.title}, {shape}", "goal": w.goal, "rows": rows,
+                "columns": ["import_ms", "wrap_ms", "first_ms", "new_site_ms", "warm_ms"]}
+        elif wname == "peak_memory":
+            results["workloads"][wname] = peak(w, w.cases(o), active, settings)
+        else:
+            cases = w.cases(o)
+            entry = timed(w, cases, active, settings, o)
+            if wname == "edit_slope":
+                entry["summary"] = slopes(entry, cases)
+            if wname == "wrapped":
+                entry["structural"] = wrapped_structure(cases[0], active, settings)
+            results["workloads"][wname] = entry
     results["goals"] = report.goals(results)
-    text = report.markdown(results)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
-    with open(o.json, "w") as f:
-        json.dump({**results, "markdown": text}, f, indent=1, default=str)
-    progress(f"figures written to {o.json}")
-    return 0
+    results["before_after"] = report.before_after(results)
+    return results
 
 
 def slopes(entry, cases) -> dict:
@@ -215,17 +272,17 @@ def slopes(entry, cases) -> dict:
     rows = list(entry["cases"].values())
     out = {}
     for name in rows[0]:
-        if name == "raw" or len(ks) < 2:
-            continue
+        if name == "raw" or len(ks) < 2 or any("median_us" not in row.get(name, {}) for row in rows):
+            continue  # (a contender that failed a case has no slope)
         out[name] = {"per_edit_us": workloads.slope(ks, [row[name]["median_us"] for row in rows])}
     ref = out.get("hooks", {}).get("per_edit_us")
-    for row in out.values():
-        row["ratio"] = row["per_edit_us"] / ref if ref else None
+    for row in out.values():  # (plain hooks' slope lost in noise, at or below 0: no ratio)
+        row["ratio"] = row["per_edit_us"] / ref if ref and ref > 0 else None
     return out
 
 
 def wrapped_structure(case, active, settings) -> dict:
-    """What each in-process wrapper left on its module outside a trace (workloads.structural)."""
+    """What each wrapper left on its module outside a trace (workloads.structural)."""
     s = subjects.build(case.shape, settings["device"], settings["dtype"])
     out = {}
     for c in active:
@@ -233,6 +290,8 @@ def wrapped_structure(case, active, settings) -> dict:
             out[c.name] = workloads.structural(s.module)
         elif c.name == "nnsight":
             out[c.name] = workloads.structural(c.model(s)._module)
+        elif isinstance(c, measure.RemoteContender):  # the twin, the baseline: their own process
+            out[c.name] = c.structural(case.shape)
     return out
 
 

@@ -9,7 +9,8 @@ first_ms      the first trace (saving layer 0) at a site never traced before
 new_site_ms   later first traces at other new sites (median): capture and planning per site
 warm_ms       the first site again (median of 5): what every later trace costs
 The harness (`python -m benchmarks`, workload cold_start) runs this once per contender and
-repetition, with INTERLACE_NO_EXTENSIONS=1 for the twin.
+repetition, with INTERLACE_NO_EXTENSIONS=1 for the twin and INTERLACE_BENCH_SRC naming the
+baseline's tree for the baseline.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def site_{i}(bridge, s):
     return out[0]
 """
 
-LIBRARY = {"interlace": "interlace", "twin": "interlace", "nnsight": "nnsight", "tlens": "transformer_lens"}
+LIBRARY = {"interlace": "interlace", "twin": "interlace", "baseline": "interlace", "nnsight": "nnsight",
+           "tlens": "transformer_lens"}
 
 
 def main(argv=None) -> None:

@@ -174,10 +174,6 @@ class Hooks(Contender):
 class Interlace(Contender):
     name, label = "interlace", "interlace"
 
-    def __init__(self, twin: bool = False):
-        if twin:
-            self.name, self.label = "twin", "interlace twin"
-
     def unavailable(self):
         import interlace
 

@@ -7,9 +7,10 @@ On CUDA every timed call is bracketed by `torch.cuda.synchronize()`.
 
 The pure-Python twin cannot share a process with the compiled path (the choice is made once,
 at import), so it runs in a worker process (`benchmarks.worker`) that builds the same subjects
-from the same seeds. Within a round the harness asks the worker to time its call, and waits:
-the two processes take turns and never run at the same time. The worker times itself, so
-the pipe's latency is not counted.
+from the same seeds; so does the baseline (`--baseline REF`: interlace as it was at REF, whose
+`src/` the worker puts first on its path). Within a round the harness asks a worker to time
+its call, and waits: the processes take turns and never run at the same time. The worker
+times itself, so the pipe's latency is not counted.
 """
 
 from __future__ import annotations
@@ -207,15 +208,30 @@ def _to_cpu(value):
 
 
 class Worker:
-    """The twin's process: requests and replies are pickles over its stdin/stdout."""
+    """A worker process (the twin's, or the baseline's): requests and replies are pickles over
+    its stdin/stdout.
 
-    def __init__(self, settings: dict):
-        env = {**os.environ, "INTERLACE_NO_EXTENSIONS": "1"}
-        env.pop("INTERLACE_REQUIRE_EXTENSIONS", None)
-        env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    twin: the pure-Python twin of this checkout (INTERLACE_NO_EXTENSIONS=1).
+    src:  another interlace's `src/` (a baseline tree), put first on the worker's path, its
+          compiled extension required (INTERLACE_REQUIRE_EXTENSIONS=1).
+    """
+
+    def __init__(self, settings: dict, twin: bool = False, src: str | None = None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLACE_")}
+        if twin:
+            env["INTERLACE_NO_EXTENSIONS"] = "1"
+        else:
+            env["INTERLACE_REQUIRE_EXTENSIONS"] = "1"
+        if src:
+            env["INTERLACE_BENCH_SRC"] = src  # benchmarks/__init__.py puts it first on sys.path
+        env["PYTHONPATH"] = os.pathsep.join([ROOT, src or os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker"], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.info = self.ask("init", settings)
+        try:
+            self.info = self.ask("init", settings)
+        except BaseException:
+            self.close()
+            raise
 
     def ask(self, *message):
         pickle.dump(message, self.proc.stdin)
@@ -223,9 +239,9 @@ class Worker:
         try:
             status, value = pickle.load(self.proc.stdout)
         except EOFError:
-            raise RuntimeError("the twin's worker process died (its error is above)") from None
+            raise RuntimeError("the worker process died (its error is above)") from None
         if status == "error":
-            raise RuntimeError(f"the twin's worker failed:\n{value}")
+            raise RuntimeError(f"the worker failed:\n{value}")
         return value
 
     def close(self):
@@ -254,12 +270,11 @@ class Remote:
 
 
 class RemoteContender:
-    """The interlace twin, as measured by its worker process."""
+    """A contender measured by a worker process: the interlace twin, or the baseline."""
 
-    name, label = "twin", "interlace twin"
-
-    def __init__(self, worker: Worker | None, reason: str | None = None):
-        self.worker, self.reason = worker, reason
+    def __init__(self, worker: Worker | None, name: str = "twin", label: str = "interlace twin",
+                 reason: str | None = None):
+        self.worker, self.name, self.label, self.reason = worker, name, label, reason
         self.version = worker.info["version"] if worker else ""
 
     def unavailable(self):
@@ -269,9 +284,14 @@ class RemoteContender:
         key = self.worker.ask("runner", op, shape, args)
         return None if key is None else Remote(self.worker, key)
 
+    def structural(self, shape):
+        """What the worker's wrapper left on its module outside a trace (workloads.structural)."""
+        return self.worker.ask("structural", shape)
+
 
 def serve() -> None:
-    """The worker's loop (see `Worker`): runs `Interlace` contender calls on request."""
+    """The worker's loop (see `Worker`): runs `Interlace` contender calls on request, on
+    whichever interlace its path and environment chose (the twin's, or a baseline's)."""
     import traceback
 
     from .contenders import Interlace
@@ -279,7 +299,7 @@ def serve() -> None:
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to stderr, not into the replies
-    contender, runners, settings = Interlace(twin=True), {}, {}
+    contender, runners, settings = Interlace(), {}, {}
     while True:
         try:
             message = pickle.load(inp)
@@ -296,7 +316,8 @@ def serve() -> None:
                 configure(settings)
                 import interlace
 
-                reply = {"native": interlace.native, "version": interlace.__version__}
+                reply = {"native": interlace.native, "version": interlace.__version__,
+                         "file": interlace.__file__}
             elif kind == "runner":
                 _, op, shape, args = message
                 r = runner(contender, op, shape, args, settings)
@@ -310,6 +331,12 @@ def serve() -> None:
                 reply = _to_cpu(runners[message[1]].result())
             elif kind == "peak":
                 reply = runners[message[1]].peak()
+            elif kind == "structural":
+                from .workloads import structural
+
+                subject = subjects.build(message[1], settings["device"], settings["dtype"])
+                contender.model(subject)  # wrapped, as the `wrapped` workload's runner wraps it
+                reply = structural(subject.module)
             else:
                 raise ValueError(f"unknown request {kind!r}")
             pickle.dump(("ok", reply), out)

@@ -2,7 +2,10 @@
 
 Cells of timed workloads read `median us (ratio to the floor)`; a `≠` marks a contender
 whose results did not agree with the floor's (see measure.agree). The goals are issue 8's
-acceptance criteria, reported against this run's figures, not asserted.
+acceptance criteria, reported against this run's figures, not asserted. With a baseline
+(`--baseline REF`), every workload gets a "before → after" line: the baseline's figure, this
+tree's, and their ratio (timed cases: the median of the per-round ratios, both having run in
+every round).
 """
 
 from __future__ import annotations
@@ -10,24 +13,26 @@ from __future__ import annotations
 MIB = 1 << 20
 
 GOALS = (
-    # (key, text, target, how to read it from the results)
-    ("fixed", "fixed cost per trace over plain hooks, tiny GPT-2 (us)", 30.0,
+    # (key, text (which workload it reads, in brackets), target, how to read it from the results)
+    ("fixed", "fixed cost per trace over plain hooks, tiny GPT-2 (us) [save_one: +us]", 30.0,
      lambda r, c: _cell(r, "save_one", "tiny", c, "overhead_us")),
-    ("save_one", "save one layer, tiny (x plain hooks)", 1.03, lambda r, c: _cell(r, "save_one", "tiny", c, "ratio")),
-    ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks)", 1.05,
+    ("save_one", "save one layer, tiny (x plain hooks) [save_one]", 1.03,
+     lambda r, c: _cell(r, "save_one", "tiny", c, "ratio")),
+    ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.05,
      lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
-    ("save_all", "save every layer, tiny (x plain hooks)", 1.05, lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
-    ("edit_slope", "cost per edited location (x plain hooks' per edit)", 2.0,
+    ("save_all", "save every layer, tiny (x plain hooks) [save_all]", 1.05,
+     lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
+    ("edit_slope", "cost per edited location, k = 1..12 (x plain hooks' per edit) [edit_slope]", 2.0,
      lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
-    ("tracer", "warm Tracer, no-op backend (x nullcontext)", 2.0,
+    ("tracer", "warm Tracer, no-op backend (x nullcontext) [tracer]", 2.0,
      lambda r, c: _cell(r, "tracer", "tiny body", c, "ratio")),
-    ("import", "`import interlace` over an empty interpreter (ms, wall)", 30.0,
+    ("import", "`import interlace` over an empty interpreter (ms, wall) [import]", 30.0,
      lambda r, c: r["workloads"].get("import", {}).get("rows", {}).get(c, {}).get("over_empty_wall_ms")),
-    ("invokes", "16 invokes (x the plain-hook batch)", 1.2,
+    ("invokes", "16 invokes (x the plain-hook batch) [invokes]", 1.2,
      lambda r, c: next((row.get(c, {}).get("ratio") for label, row in
                         r["workloads"].get("invokes", {}).get("cases", {}).items() if label.endswith("n=16")), None)),
-    ("wrapped", "wrapped model outside a trace (us over the bare module)", None,
-     lambda r, c: _cell(r, "wrapped", None, c, "overhead_us")),
+    ("wrapped", "wrapped model outside a trace: met = no hooks, own forward; figure = us over the bare "
+     "module [wrapped]", None, lambda r, c: _cell(r, "wrapped", None, c, "overhead_us")),
 )
 
 
@@ -39,20 +44,63 @@ def _cell(results, workload, label, contender, key):
 
 
 def goals(results: dict) -> list:
-    """[{goal, target, interlace, twin, met}] (met: the native path's figure, None if unmeasured)."""
+    """[{goal, target, baseline, interlace, twin, nnsight, met, met_before}] (met: the native
+    path's figure; met_before: the baseline's; None where unmeasured)."""
     out = []
     for key, text, target, read in GOALS:
         row = {"goal": key, "text": text, "target": target}
-        for c in ("interlace", "twin", "nnsight"):
+        for c in ("baseline", "interlace", "twin", "nnsight"):
             row[c] = read(results, c)
-        value = row["interlace"]
-        row["met"] = None if value is None or target is None else value <= target
-        if key == "wrapped":
-            found = results["workloads"].get("wrapped", {}).get("structural", {}).get("interlace")
-            row["structural"] = found
-            row["met"] = None if found is None else not found
+        for c, met in (("interlace", "met"), ("baseline", "met_before")):
+            value = row[c]
+            row[met] = None if value is None or target is None else value <= target
+            if key == "wrapped":
+                found = results["workloads"].get("wrapped", {}).get("structural", {}).get(c)
+                row["structural" if c == "interlace" else "structural_before"] = found
+                row[met] = None if found is None else not found
         out.append(row)
     return out
+
+
+def before_after(results: dict) -> dict:
+    """{workload: [{case, before, after, ratio, unit}]}: the baseline's figure against this
+    tree's native path, per case (empty without a measured baseline)."""
+    if "baseline" not in results["contenders"] or "interlace" not in results["contenders"]:
+        return {}
+    out = {}
+    for name, w in results["workloads"].items():
+        rows = []
+        if name == "edit_slope" and "summary" in w:
+            s = w["summary"]
+            if "baseline" in s and "interlace" in s:
+                rows.append(_pair("per edit", s["baseline"]["per_edit_us"], s["interlace"]["per_edit_us"], "us"))
+        elif "cases" in w:
+            for label, row in w["cases"].items():
+                b, a = row.get("baseline", {}), row.get("interlace", {})
+                if "median_us" in b and "median_us" in a:
+                    rows.append({**_pair(label, b["median_us"], a["median_us"], "us"),
+                                 "ratio": a.get("vs_baseline", a["median_us"] / b["median_us"])})
+        elif "peak" in w:
+            b, a = w["peak"].get("baseline"), w["peak"].get("interlace")
+            if b is not None and a is not None:
+                rows.append(_pair(w["case"], b, a, "bytes"))
+        elif "rows" in w:
+            key = "over_empty_wall_ms" if name == "import" else "first_ms"
+            b, a = w["rows"].get("baseline", {}).get(key), w["rows"].get("interlace", {}).get(key)
+            if b is not None and a is not None:
+                rows.append(_pair(key, b, a, "ms"))
+        if rows:
+            out[name] = rows
+    return out
+
+
+def _pair(case, before, after, unit) -> dict:
+    return {"case": case, "before": before, "after": after, "unit": unit,
+            "ratio": after / before if before and before > 0 else None}
+
+
+def _value(value, unit):
+    return {"us": _us, "bytes": _bytes}.get(unit, lambda v: f"{v:,.1f} ms")(value)
 
 
 def _us(value):
@@ -85,14 +133,18 @@ def markdown(results: dict) -> str:
         lines.append("")
     names = results["contenders"]
     labels = results["labels"]
-    for w in results["workloads"].values():
+    changes = results.get("before_after", {})
+    after = f"{labels['baseline']} → {labels['interlace']}" if changes else ""
+    for wname, w in results["workloads"].items():
         lines += [f"### {w['title']}", ""]
+        if w.get("goal"):
+            lines += [f"*Goal (issue 8): {w['goal']}.*", ""]
         if "rows" in w:  # import, cold start
             keys = w["columns"]
             lines.append("| " + " | ".join(["contender"] + keys) + " |")
             lines.append("|" + "---|" * (len(keys) + 1))
             for c, row in w["rows"].items():
-                cells = [_num(row.get(k), 1) for k in keys]
+                cells = ["error" if "error" in row else _num(row.get(k), 1) for k in keys]
                 lines.append(f"| {row.get('label', labels.get(c, c))} | " + " | ".join(cells) + " |")
         elif "peak" in w:
             lines.append("| case | " + " | ".join(labels[c] for c in names if c in w["peak"]) + " |")
@@ -126,11 +178,20 @@ def markdown(results: dict) -> str:
                 for c, found in w["structural"].items():
                     lines.append(f"- {labels[c]} outside a trace: "
                                  + ("no hooks, the module's own forward" if not found else "; ".join(found[:4])))
+        if wname in changes:
+            lines += ["", f"- before → after ({after}): " + "; ".join(
+                f"{c['case']} {_value(c['before'], c['unit'])} → {_value(c['after'], c['unit'])}"
+                + ("" if c["ratio"] is None else f" ({c['ratio']:.2f}x)") for c in changes[wname])]
         lines.append("")
+    yes = {True: "yes", False: "**no**", None: "—"}
+    before = "baseline" in results["contenders"]
+    head = ["goal", "target"] + ([labels["baseline"]] if before else []) + ["interlace", "twin", "nnsight", "met"]
     lines += ["### Goals (issue 8; interlace native unless marked)", "",
-              "| goal | target | interlace | twin | nnsight | met |", "|---|---|---|---|---|---|"]
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in results["goals"]:
-        met = {True: "yes", False: "**no**", None: "—"}[g["met"]]
-        lines.append(f"| {g['text']} | {_num(g['target'])} | {_num(g['interlace'])} | {_num(g['twin'])} | "
-                     f"{_num(g['nnsight'])} | {met} |")
+        cells = [g["text"], _num(g["target"])]
+        if before:
+            cells.append(f"{_num(g['baseline'])} ({yes[g['met_before']]})")
+        cells += [_num(g["interlace"]), _num(g["twin"]), _num(g["nnsight"]), yes[g["met"]]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

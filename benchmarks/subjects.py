@@ -33,6 +33,8 @@ class Shape:
 SHAPES = {
     "tiny": Shape("gpt2", layers=2, hidden=64, heads=4, vocab=1000, tokens=16,
                   note="GPT-2, 2 layers, n_embd 64, 16 tokens (the goals' shape)"),
+    "tiny12": Shape("gpt2", layers=12, hidden=64, heads=4, vocab=1000, tokens=16,
+                    note="GPT-2, 12 layers, n_embd 64, 16 tokens (the per-edit slope's shape on a CPU)"),
     "gpt2-small": Shape("gpt2", layers=12, hidden=768, heads=12, vocab=50257, tokens=16,
                         note="GPT-2 small, 12 layers, n_embd 768, 16 tokens"),
     "llama-small": Shape("llama", layers=4, hidden=256, heads=8, kv_heads=4, intermediate=688,

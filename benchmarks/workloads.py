@@ -7,7 +7,7 @@ run in fresh processes or measure memory instead (`import`, `cold_start`, `peak_
   save_one     save one layer's output                   every shape
   zero_mlps    zero every MLP's output, save the logits  every shape
   save_all     save every layer's output                 every shape
-  edit_slope   zero k MLPs, k = 1..layers: us per edit, against plain hooks' us per edit
+  edit_slope   zero k MLPs, k = 1..12: us per edit, against plain hooks' us per edit
   invokes      n = 1..32 invokes saving layer 0, against one batch with a plain hook
   generate     16 new tokens reading the logits at every step with `tracer.iter[:]`
   fixed        the fixed cost of one trace: a 2x2 Linear, save its output
@@ -16,6 +16,9 @@ run in fresh processes or measure memory instead (`import`, `cold_start`, `peak_
   peak_memory  bytes a save-every-layer trace needs above what was in use, against a forward
   cold_start   fresh process: import the library, wrap, first trace, first trace at a new site
   import       `import <library>` in a fresh interpreter, against an empty interpreter
+
+Each workload that answers one of issue 8's goals says which (`Workload.goal`); the report
+prints it under the workload's table, and its goals table reads the figures (report.GOALS).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Workload:
     title: str
     cases: object             # (options) -> [Case]
     rounds: float = 1.0       # share of --repeats this workload runs (costly ones run fewer)
+    goal: str | None = None   # the goal of issue 8 it answers (None: reported, no target)
 
 
 def pick(options, preferred: str) -> str:
@@ -65,7 +69,11 @@ def _per_shape(op):
 
 
 def _slope_cases(o):
-    shape = pick(o, "gpt2-small")
+    """k = 1..12 on a 12-layer model: on a GPU GPT-2 small (launch-bound, so each edit shows);
+    on a CPU `tiny12`, whose ~3 ms forward keeps round-to-round noise below one edit's cost
+    (GPT-2 small's 110 ms forward wanders by milliseconds, 30x a plain hook's edit)."""
+    cuda = str(getattr(o, "device", "cpu")).startswith("cuda")
+    shape = "gpt2-small" if cuda and "gpt2-small" in o.shapes else "tiny12"
     return [Case(f"{shape}, k={k}", "zero_mlps", shape, (k,)) for k in range(1, subjects.SHAPES[shape].layers + 1)]
 
 
@@ -74,25 +82,33 @@ NEW_TOKENS = 16
 
 WORKLOADS = {
     w.name: w for w in (
-        Workload("save_one", "Save one layer's output", _per_shape("save_one")),
-        Workload("zero_mlps", "Zero every MLP output, save the logits", _per_shape("zero_mlps")),
-        Workload("save_all", "Save every layer's output", _per_shape("save_all")),
-        Workload("edit_slope", "Zero k MLPs: the cost of each edit", _slope_cases, rounds=0.3),
+        Workload("save_one", "Save one layer's output", _per_shape("save_one"),
+                 goal="tiny: fixed cost per trace ≤ 30 us over plain hooks (interlace's +us), "
+                      "and ≤ 1.03x plain hooks"),
+        Workload("zero_mlps", "Zero every MLP output, save the logits", _per_shape("zero_mlps"),
+                 goal="tiny: ≤ 1.05x plain hooks"),
+        Workload("save_all", "Save every layer's output", _per_shape("save_all"),
+                 goal="tiny: ≤ 1.05x plain hooks"),
+        Workload("edit_slope", "Zero k MLPs, k = 1..12: the cost of each edit", _slope_cases, rounds=0.3,
+                 goal="each edited location ≤ 2x what a plain hook's edit costs (least-squares slope over k)"),
         Workload("invokes", "n invokes saving layer 0 (plain hooks: one batch of n rows)",
                  lambda o: [Case(f"{pick(o, 'tiny')}, n={n}", "invokes", pick(o, "tiny"), (n,)) for n in INVOKES],
-                 rounds=0.5),
+                 rounds=0.5, goal="16 invokes ≤ 1.2x the plain-hook batch"),
         Workload("generate", f"Generate {NEW_TOKENS} tokens, read the logits at every step (tracer.iter[:])",
                  lambda o: [Case(pick(o, "tiny"), "generate", pick(o, "tiny"), (NEW_TOKENS,))], rounds=0.25),
         Workload("fixed", "Fixed cost of a trace: 2x2 Linear, save its output",
                  lambda o: [Case("linear", "fixed", "linear")]),
         Workload("wrapped", "Wrapped model called outside a trace (floor: the bare module)",
-                 lambda o: [Case(s, "wrapped", s, floor="raw") for s in o.shapes if s != "linear"][:1]),
+                 lambda o: [Case(s, "wrapped", s, floor="raw") for s in o.shapes if s != "linear"][:1],
+                 goal="no hooks and the module's own forward (structural check); its cost reported in us"),
         Workload("tracer", f"Warm Tracer, do-nothing backend, per entry (floor: nullcontext; {ENTRIES} entries a call)",
-                 lambda o: [Case("tiny body", "noop_tracer", "linear", floor="raw", per_call=ENTRIES)]),
+                 lambda o: [Case("tiny body", "noop_tracer", "linear", floor="raw", per_call=ENTRIES)],
+                 goal="native path ≤ 2x nullcontext (the twin is reported, not held to it)"),
         Workload("peak_memory", "Peak tensor memory of saving every layer, above a raw forward's",
                  lambda o: [Case(pick(o, "gpt2-small"), "save_all", pick(o, "gpt2-small"), floor="raw")]),
         Workload("cold_start", "Cold start in a fresh process (ms)", None),
-        Workload("import", "`import <library>` in a fresh interpreter (ms)", None),
+        Workload("import", "`import <library>` in a fresh interpreter (ms)", None,
+                 goal="`import interlace` ≤ 30 ms more than an empty interpreter (wall)"),
     )
 }
 
@@ -127,22 +143,35 @@ IMPORTS = {
     "raw": ("empty interpreter", "pass", {}),
     "interlace": ("interlace", "import interlace", {}),
     "twin": ("interlace twin", "import interlace", {"INTERLACE_NO_EXTENSIONS": "1"}),
+    "baseline": ("interlace baseline", "import interlace", {"INTERLACE_REQUIRE_EXTENSIONS": "1"}),
     "nnsight": ("nnsight (imports torch)", "import nnsight", {}),
     "tlens": ("TransformerLens (imports torch)", "import transformer_lens", {}),
     "torch": ("torch (for scale)", "import torch", {}),
 }
 
 
-def fresh_env(pycache: str, extra: dict | None = None) -> dict:
+def fresh_env(pycache: str, extra: dict | None = None, src: str | None = None) -> dict:
     """The environment of a fresh process: compiled bytecode cached as in an installed
-    package (PYTHONDONTWRITEBYTECODE would make every import compile its sources)."""
+    package (PYTHONDONTWRITEBYTECODE would make every import compile its sources). `src`:
+    the interlace it imports (a baseline's tree), else this checkout's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INTERLACE_")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    if src:
+        env["INTERLACE_BENCH_SRC"] = src  # benchmarks/__init__.py puts it first on sys.path
+    env["PYTHONPATH"] = os.pathsep.join([root, src or os.path.join(root, "src"), env.get("PYTHONPATH", "")])
     env["PYTHONPYCACHEPREFIX"] = pycache
     env.update(extra or {})
     return env
+
+
+class ChildFailed(RuntimeError):
+    """A fresh process of one contender failed: reported in its row, the others go on."""
+
+    def row(self) -> dict:
+        lines = [line for line in str(self).splitlines() if line.strip()]
+        print(f"[bench]   {lines[0]}\n[bench]   {lines[-1]}", file=sys.stderr, flush=True)
+        return {"error": lines[-1]}
 
 
 def _child_run(argv, env) -> tuple:
@@ -153,26 +182,36 @@ def _child_run(argv, env) -> tuple:
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+        raise ChildFailed(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, proc.stdout
 
 
-def import_times(names: list, repeats: int, pycache: str, warm: bool = True) -> dict:
+def import_times(names: list, repeats: int, pycache: str, warm: bool = True, sources: dict | None = None,
+                 labels: dict | None = None) -> dict:
     """{name: row} of `python -c "import X"`, the processes taking turns, ms: wall (median and
     min) and CPU (median), each also over the empty interpreter's. `warm`: one unmeasured run
-    each first, filling the bytecode and file caches (smoke runs skip it)."""
-    envs = {n: fresh_env(pycache, IMPORTS[n][2]) for n in names}
-    for n in names if warm else ():
-        _child_run([sys.executable, "-c", IMPORTS[n][1]], envs[n])
-    walls, cpus = {n: [] for n in names}, {n: [] for n in names}
-    for _ in range(repeats):
+    each first, filling the bytecode and file caches (smoke runs skip it). `sources`: {name:
+    the src/ it imports} (the baseline); `labels`: {name: label} over IMPORTS' own."""
+    sources, labels = sources or {}, labels or {}
+    envs = {n: fresh_env(pycache, IMPORTS[n][2], sources.get(n)) for n in names}
+    walls, cpus, failed = {n: [] for n in names}, {n: [] for n in names}, {}
+    for round_ in range(repeats + warm):
         for n in names:
-            wall, cpu, _ = _child_run([sys.executable, "-c", IMPORTS[n][1]], envs[n])
-            walls[n].append(wall * 1e3)
-            cpus[n].append(cpu * 1e3)
+            if n in failed:
+                continue
+            try:
+                wall, cpu, _ = _child_run([sys.executable, "-c", IMPORTS[n][1]], envs[n])
+            except ChildFailed as error:
+                failed[n] = error.row()
+                continue
+            if round_ >= warm:  # the first round of a warm run fills the caches, unmeasured
+                walls[n].append(wall * 1e3)
+                cpus[n].append(cpu * 1e3)
     base_wall, base_cpu = statistics.median(walls["raw"]), statistics.median(cpus["raw"])
-    return {n: {"label": IMPORTS[n][0], "wall_ms": statistics.median(walls[n]), "min_wall_ms": min(walls[n]),
+    label = {n: labels.get(n) if n in sources else IMPORTS[n][0] for n in names}
+    return {n: {"label": label[n], **failed[n]} if n in failed else {
+                "label": label[n], "wall_ms": statistics.median(walls[n]), "min_wall_ms": min(walls[n]),
                 "cpu_ms": statistics.median(cpus[n]),
                 "over_empty_wall_ms": statistics.median(walls[n]) - base_wall,
                 "over_empty_cpu_ms": statistics.median(cpus[n]) - base_cpu}
@@ -180,24 +219,33 @@ def import_times(names: list, repeats: int, pycache: str, warm: bool = True) -> 
 
 
 def cold_start(names: list, shape: str, repeats: int, settings: dict, pycache: str,
-               warm: bool = True) -> dict:
+               warm: bool = True, sources: dict | None = None) -> dict:
     """{name: row of median ms} from `benchmarks.coldstart` run `repeats` times per contender,
-    the contenders taking turns (`warm`: after one unmeasured run each)."""
-    envs = {n: fresh_env(pycache, {"INTERLACE_NO_EXTENSIONS": "1"} if n == "twin" else {}) for n in names}
+    the contenders taking turns (`warm`: after one unmeasured run each). `sources`: {name:
+    the src/ it imports} (the baseline)."""
+    sources = sources or {}
+    envs = {n: fresh_env(pycache, IMPORTS[n][2] if n in ("twin", "baseline") else {}, sources.get(n))
+            for n in names}
     argv = [sys.executable, "-m", "benchmarks.coldstart", "--shape", shape, "--device", settings["device"],
             "--dtype", settings["dtype"], "--threads", str(settings.get("threads") or 0)]
-    samples = {n: [] for n in names}
-    for n in names if warm else ():  # bytecode cache first
-        _child_run(argv + ["--contender", n, "--sites", "1"], envs[n])
-    for _ in range(repeats):
+    samples, rows = {n: [] for n in names}, {}
+    for round_ in range(repeats + warm):
         for n in names:
-            _, _, out = _child_run(argv + ["--contender", n], envs[n])
-            samples[n].append(json.loads(out.strip().splitlines()[-1]))
-    rows = {}
+            if n in rows:
+                continue
+            try:  # a warm run's first round fills the bytecode cache, unmeasured
+                _, _, out = _child_run(argv + ["--contender", n] + (["--sites", "1"] if round_ < warm else []),
+                                       envs[n])
+            except ChildFailed as error:
+                rows[n] = error.row()
+                continue
+            if round_ >= warm:
+                samples[n].append(json.loads(out.strip().splitlines()[-1]))
     for n, runs in samples.items():
-        rows[n] = {key: statistics.median([r[key] for r in runs if r.get(key) is not None])
-                   for key in runs[0] if any(r.get(key) is not None for r in runs)}
-    return rows
+        if n not in rows:
+            rows[n] = {key: statistics.median([r[key] for r in runs if r.get(key) is not None])
+                       for key in runs[0] if any(r.get(key) is not None for r in runs)}
+    return {n: rows[n] for n in names}
 
 
 def pycache_dir() -> str:

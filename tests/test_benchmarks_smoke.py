@@ -1,11 +1,15 @@
 """The benchmark harness runs end to end, so that it cannot rot: `python -m benchmarks` with 2
-repetitions on the tiny shapes, every workload. Checked: every workload reports, every
+repetitions on the tiny shapes, every workload, and `--baseline HEAD` (this repository's last
+commit exported and built as the "before" contender). Checked: every workload reports, every
 contender that can do a case did it, and their results agree with plain hooks' (the harness
-compares them before timing). Timings are not checked: on a shared machine they are noise.
+compares them before timing); the baseline ran from its own tree on its compiled extension,
+and a baseline that cannot be had is one line while the run goes on. Timings are not
+checked: on a shared machine they are noise.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,17 +32,33 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
+def _head():
+    """This checkout's HEAD commit, or None (no git, or not a git checkout)."""
+    git = shutil.which("git")
+    if git is None:
+        return None
+    proc = subprocess.run([git, "-C", ROOT, "rev-parse", "--verify", "--quiet", "HEAD^{commit}"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _harness(*args, tmp):
+    out = tmp / "bench.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--repeats", "2", "--shapes", "tiny", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks", "--repeats", "2", "--shapes", "tiny", "--json", str(out), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(out.read_text()), proc.stdout
+    return json.loads(out.read_text()), proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    results, markdown, _ = _harness("--baseline", "HEAD", "--baseline-dir", str(tmp / "baseline"), tmp=tmp)
+    return results, markdown
 
 
 def test_every_workload_reports(run):
@@ -58,6 +78,8 @@ def test_contenders_present_or_skipped_with_a_reason(run):
     results, markdown = run
     names = results["contenders"]
     assert {"raw", "hooks", "interlace", "twin"} <= set(names)
+    if _head():  # (without git the baseline is skipped with a line, checked just below)
+        assert "baseline" in names, results["skipped"]
     for label, why in results["skipped"].items():
         assert f"skipped {label}: {why}" in markdown
     labels = {results["labels"][n] for n in names} | set(results["skipped"])
@@ -76,7 +98,8 @@ def test_results_agree_with_plain_hooks(run):
                     f"(max abs difference {cell.get('max_diff')})")
                 checked += cell.get("agrees") is True
             if wname != "tracer":  # a do-nothing body has no result to compare
-                assert row["interlace"]["agrees"] and row["twin"]["agrees"], (wname, label)
+                for name in {"interlace", "twin", "baseline"} & set(results["contenders"]):
+                    assert row[name]["agrees"], (wname, label, name)
     assert checked >= 20
 
 
@@ -84,7 +107,7 @@ def test_every_case_timed_for_the_interlace_paths(run):
     results, _ = run
     for wname, w in results["workloads"].items():
         for label, row in w.get("cases", {}).items():
-            for name in ("interlace", "twin", w["floor"]):
+            for name in {"interlace", "twin", w["floor"]} | {"baseline"} & set(results["contenders"]):
                 assert row[name]["rounds"] == row[w["floor"]]["rounds"] >= 2, (wname, label, name)
                 assert row[name]["median_us"] > 0
 
@@ -103,3 +126,76 @@ def test_structure_memory_and_fresh_processes(run):
         assert w["cold_start"]["rows"][name]["first_ms"] > 0
         assert w["import"]["rows"][name]["wall_ms"] > 0
     assert {g["goal"] for g in results["goals"]} >= {"fixed", "save_one", "edit_slope", "tracer", "import", "invokes"}
+
+
+def test_baseline_is_the_commit_built_from_its_own_tree(run):
+    """--baseline HEAD: the commit exported, built and measured in the same rounds as this tree,
+    every workload with a before -> after line, the goals with a "before" figure."""
+    head = _head()
+    if head is None:
+        pytest.skip("no git, or this checkout is not a git repository: --baseline needs one")
+    results, markdown = run
+    base = results["baseline"]
+    assert "skipped" not in base, base
+    # HEAD when the run started: this HEAD, or an ancestor if a commit landed meanwhile
+    assert subprocess.run(["git", "-C", ROOT, "merge-base", "--is-ancestor", base["sha"], head]).returncode == 0
+    assert os.path.isdir(os.path.join(base["tree"], "src", "interlace"))
+    assert results["labels"]["baseline"] == base["label"] == f"interlace@HEAD {base['sha'][:7]} (native)"
+    w = results["workloads"]
+    for wname, entry in w.items():
+        for row in entry.get("cases", {}).values():
+            assert row["interlace"]["vs_baseline"] > 0, wname  # after / before, round by round
+    assert set(results["before_after"]) >= {"save_one", "zero_mlps", "save_all", "edit_slope", "invokes",
+                                            "fixed", "wrapped", "tracer", "peak_memory", "cold_start", "import"}
+    assert markdown.count(f"- before → after ({base['label']} → interlace): ") == len(results["before_after"])
+    assert w["wrapped"]["structural"]["baseline"] == []  # its wrapper too leaves the module bare
+    assert w["import"]["rows"]["baseline"]["wall_ms"] > 0 and w["cold_start"]["rows"]["baseline"]["first_ms"] > 0
+    assert all(g["baseline"] is not None for g in results["goals"] if g["goal"] != "edit_slope")
+
+
+def test_a_baseline_that_cannot_be_had_is_one_line_and_the_run_goes_on(tmp_path):
+    results, markdown, stderr = _harness("--baseline", "no-such-ref-0123", "--baseline-dir", str(tmp_path / "b"),
+                                         "--workloads", "fixed", "--contenders", "hooks,interlace", tmp=tmp_path)
+    why = results["baseline"]["skipped"]
+    assert why and "\n" not in why
+    if _head():  # (without git, the line says git is missing instead)
+        assert "no-such-ref-0123" in why
+    assert f"skipped interlace@no-such-ref-0123 (native): {why}" in markdown
+    assert [line for line in stderr.splitlines() if "no-such-ref-0123" in line] == [
+        f"[bench] skipping interlace@no-such-ref-0123 (native): {why}"]
+    assert results["contenders"] == ["hooks", "interlace"]
+    assert results["workloads"]["fixed"]["cases"]["linear"]["interlace"]["agrees"]
+    assert not os.path.exists(tmp_path / "b")  # nothing exported for a ref that does not resolve
+
+
+def _baseline_module():
+    """benchmarks/baseline.py on its own (importing the package would put src/ on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_baseline", os.path.join(ROOT, "benchmarks", "baseline.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up while being made)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_baseline_without_git_says_so(tmp_path):
+    why = _baseline_module().prepare("HEAD", ROOT, str(tmp_path), git=str(tmp_path / "no-git-here"))
+    assert why == "git is not available on this machine"
+
+
+def test_baseline_build_failure_says_so_and_the_export_is_reused(tmp_path):
+    if _head() is None:
+        pytest.skip("no git, or this checkout is not a git repository: --baseline needs one")
+    baseline = _baseline_module()
+    failing = shutil.which("false")
+    if failing is None:
+        pytest.skip("no `false` command to stand in for a failing build")
+    why = baseline.prepare("HEAD", ROOT, str(tmp_path), python=failing)
+    tree = tmp_path / f"baseline-{_head()[:12]}"
+    assert why == f"building HEAD's extension in {tree} failed: exit status 1"
+    marker = tree / baseline.MARKER
+    assert marker.read_text().strip() == _head() and (tree / "setup.py").exists()
+    before = marker.stat().st_mtime_ns
+    assert baseline.prepare("HEAD", ROOT, str(tmp_path), python=failing) == why
+    assert marker.stat().st_mtime_ns == before  # exported once, reused
