@@ -11,7 +11,7 @@ import time
 import pytest
 
 from interlace import Tracer, UnsupportedBlockError, WithBlockNotFoundError, save
-from interlace.tracing import blocks, source
+from interlace.tracing import blocks, source, syntax
 from interlace.tracing.blocks import BLOCKS
 
 from .conftest import Inline
@@ -38,8 +38,8 @@ def site(cm=Tracer):
 def test_capture_is_memoised_per_call_site_and_idempotent(monkeypatch):
     first, _ = site()
     calls = []
-    original = blocks.build_block
-    monkeypatch.setattr(blocks, "build_block", lambda *a: calls.append(a) or original(*a))
+    original = syntax.build_block
+    monkeypatch.setattr(syntax, "build_block", lambda *a: calls.append(a) or original(*a))
     second, _ = site()
     assert second.block is first.block
     assert calls == []
@@ -132,8 +132,8 @@ def test_negative_verdicts_are_cached(monkeypatch):
     with pytest.raises(UnsupportedBlockError):
         bad()
     calls = []
-    original = blocks.build_block
-    monkeypatch.setattr(blocks, "build_block", lambda *a: calls.append(a) or original(*a))
+    original = syntax.build_block
+    monkeypatch.setattr(syntax, "build_block", lambda *a: calls.append(a) or original(*a))
     with pytest.raises(UnsupportedBlockError) as again:
         bad()
     assert calls == []
@@ -269,7 +269,7 @@ def test_slice_is_parsed_not_the_whole_file(tmp_path):
     assert text.count("\n") > 5000
     namespace, path = load(tmp_path, "big_file.py", text)
     assert namespace["target"](1) == 2
-    assert path not in blocks._TREES  # the whole file was never parsed
+    assert path not in syntax._TREES  # the whole file was never parsed
 
 
 def test_cold_capture_of_a_block_in_a_5000_line_file_is_fast(tmp_path):
@@ -314,7 +314,7 @@ def test_slice_parse_falls_back_to_the_whole_file(tmp_path):
         ''',
     )
     assert namespace["f"]() == "\ncolumn zero inside a string\n"
-    assert path in blocks._TREES
+    assert path in syntax._TREES
 
 
 # -- sources ----------------------------------------------------------------------------------
