@@ -237,8 +237,12 @@ cdef class Exchange:
 
     One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
     (hooks left installed then do nothing) and drops its per-run references.
+    A run object may subclass it: `hub`, `current`, `bypass`, `thread` are then its own
+    attributes, read by C as struct fields. The hooks call `deliver`/`serve`/`resume`
+    non-virtually: a subclass's methods of those names are not called by the hooks.
     Ownership: every field is a strong reference; `end()` releases the per-run ones (hub,
-    current, paused, routes); the policy callables stay until replaced.
+    current, paused, routes); the policy callables stay until replaced (a subclass storing
+    its own bound methods there holds itself: it clears them when its run is over).
     """
 
     cdef public Hub hub
@@ -331,7 +335,7 @@ cdef class Exchange:
         if waiters is None:
             return None
         event = Event(key, occ, (args, third) if pre else third)
-        self.serve(event, waiters)
+        self.c_serve(event, <list>waiters)
         if event.replaced:
             return event.value
         return None
@@ -342,24 +346,31 @@ cdef class Exchange:
         cdef Hub hub = self.hub
         if hub is None:
             raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
-        return self.deliver(key, hub.fire(key), value)
+        return self.c_deliver(key, hub.fire(key), value)
 
-    cpdef deliver(self, Py_ssize_t key, Py_ssize_t occ, value):
+    def deliver(self, Py_ssize_t key, Py_ssize_t occ, value):
         """Occurrence `occ` of `key` (already counted) has `value`: serves the bodies waiting
         for it; returns the `Event` as they left it, or None when nobody waited."""
-        cdef Hub hub = self.hub
-        cdef Event event
-        if hub is None:
+        if self.hub is None:
             raise RuntimeError("Exchange.deliver() outside a run: call begin(hub, thread) first")
-        waiters = hub.take(key, occ)
+        return self.c_deliver(key, occ, value)
+
+    cdef object c_deliver(self, Py_ssize_t key, Py_ssize_t occ, value):
+        # value: borrowed; returns a new reference (an Event or None). self.hub is not None.
+        cdef Event event
+        waiters = self.hub.take(key, occ)
         if waiters is None:
             return None
         event = Event(key, occ, value)
-        self.serve(event, waiters)
+        self.c_serve(event, <list>waiters)
         return event
 
-    cpdef serve(self, event, list waiters):
+    def serve(self, event, list waiters not None):
         """Hand `event` to each body in `waiters`, in invoke order (then `paused`, if set)."""
+        self.c_serve(event, waiters)
+
+    cdef object c_serve(self, event, list waiters):
+        # event, waiters: borrowed (waiters is sorted in place); returns None (new reference).
         cdef Py_ssize_t i, j, n = len(waiters)
         cdef MediatorCore mediator
         if n > 1:  # insertion sort by invoke order: stable, and the lists are short
@@ -372,22 +383,26 @@ cdef class Exchange:
                 waiters[j] = mediator
         for i in range(n):
             mediator = <MediatorCore?>waiters[i]
-            message = self.resume(mediator, event, None)
+            message = self.c_resume(mediator, event, None)
             if message != 1 and self.message is not None:  # 1: PARKED
                 self.message(mediator, message, event)
             if self.paused is not None:
                 self.paused(mediator, event)
 
-    cpdef resume(self, MediatorCore mediator, event, payload=None):
+    def resume(self, MediatorCore mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
 
         While it runs, `current` is the mediator and its `event` is `event`; torch's grad mode
         is the body's, and the model's again afterwards, whatever the body did.
         """
-        cdef bint model_grad
-        cdef object body_grad
         if mediator is None:
             raise TypeError("Exchange.resume() needs a mediator, got None")
+        return self.c_resume(mediator, event, payload)
+
+    cdef object c_resume(self, MediatorCore mediator, event, payload):
+        # All borrowed; returns the body's message (a new reference). mediator is not None.
+        cdef bint model_grad
+        cdef object body_grad
         model_grad = self.is_grad_enabled()
         body_grad = mediator.body_grad
         self.current = mediator

@@ -218,6 +218,9 @@ class Exchange:
 
     One exchange can serve many runs: `begin(hub, thread)` starts one, `end()` forgets it
     (hooks left installed then do nothing) and drops its per-run references.
+    A run object may subclass it: `hub`, `current`, `bypass`, `thread` are then its own
+    attributes, read by C as struct fields. The hooks call `deliver`/`serve`/`resume`
+    non-virtually: a subclass's methods of those names are not called by the hooks.
     """
 
     __slots__ = ("hub", "current", "bypass", "thread", "routed", "message", "paused",
@@ -300,7 +303,7 @@ class Exchange:
         if waiters is None:
             return None
         event = Event(key, occ, (args, third) if pre else third)
-        self.serve(event, waiters)
+        _serve(self, event, waiters)
         if event.replaced:
             return event.value
         return None
@@ -311,7 +314,7 @@ class Exchange:
         hub = self.hub
         if hub is None:
             raise RuntimeError("Exchange.handoff() outside a run: call begin(hub, thread) first")
-        return self.deliver(key, hub.fire(key), value)
+        return _deliver(self, key, hub.fire(key), value)
 
     def deliver(self, key, occ, value):
         """Occurrence `occ` of `key` (already counted) has `value`: serves the bodies waiting
@@ -323,7 +326,7 @@ class Exchange:
         if waiters is None:
             return None
         event = Event(key, occ, value)
-        self.serve(event, waiters)
+        _serve(self, event, waiters)
         return event
 
     def serve(self, event, waiters):
@@ -331,7 +334,7 @@ class Exchange:
         if len(waiters) > 1:
             waiters.sort(key=_invoke_order)  # stable, like the compiled insertion sort
         for mediator in waiters:
-            message = self.resume(mediator, event, None)
+            message = _resume(self, mediator, event, None)
             if message != 1 and self.message is not None:  # 1: PARKED
                 self.message(mediator, message, event)
             if self.paused is not None:
@@ -362,6 +365,10 @@ class Exchange:
                 self.set_grad_enabled(model_grad)
             mediator.event = None
             self.current = None
+
+
+# The hooks' own calls are non-virtual, as the compiled ones are (cdef).
+_deliver, _serve, _resume = Exchange.deliver, Exchange.serve, Exchange.resume
 
 
 class Hook:

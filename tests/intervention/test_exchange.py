@@ -392,3 +392,27 @@ def test_bad_arguments_are_type_errors(hp):
         h.ex.resume(None, None)
     with pytest.raises(TypeError):
         h.ex.resume(object(), None)
+
+
+def test_a_run_can_subclass_the_exchange(hp):
+    class Run(hp.Exchange):
+        def __init__(self):
+            super().__init__(torch.is_grad_enabled, torch._C._set_grad_enabled)
+            self.served = []
+
+        def serve(self, event, waiters):  # not called by the hooks: they are non-virtual
+            raise AssertionError("hooks called a subclass's serve")
+
+        def resume(self, mediator, event, payload=None):
+            raise AssertionError("hooks called a subclass's resume")
+
+    run = Run()
+    h = Harness(hp)
+    run.begin(h.hub, threading.get_ident())
+    body = h.start(lambda me: me.log.append((h.wait(me, 1, 0).value, run.current is me)))
+    hook = run.post_hook(1)
+    run.bypass += 1  # the subclass's own attribute is the field the hook reads
+    assert hook(None, (), "ignored") is None and h.hub.counts[1] == 0
+    run.bypass -= 1
+    assert hook(None, (), "seen") is None
+    assert body.log == [("seen", True)] and run.current is None
