@@ -121,6 +121,9 @@ def timed(w, cases, active, settings, o) -> dict:
         rows = measure.summarize(times, case.floor, case.per_call)
         for name, (ok, diff) in checks.items():
             rows[name].update(agrees=ok, max_diff=diff)
+        if "raw" in times and case.floor != "raw":  # above the bare forward of the same round
+            for name, row in measure.summarize(times, "raw", case.per_call).items():
+                rows[name]["over_raw_us"] = row["overhead_us"]
         if "baseline" in times and "interlace" in times:
             # after / before, round by round: both ran in every round, so a burst of load hits both
             rows["interlace"]["vs_baseline"] = measure.summarize(
@@ -267,14 +270,20 @@ def run(o, settings, everyone, wanted, baseline) -> dict:
 
 
 def slopes(entry, cases) -> dict:
-    """us per edit (slope over k) per contender, and its ratio to plain hooks' slope."""
+    """us per edit (slope over k) per contender, and its ratio to plain hooks' slope.
+
+    The slope is taken over each contender's cost above the raw forward of the same rounds
+    (`over_raw_us`), not over its own times: the k cases run one after another, and the
+    machine's drift between them (on a shared machine, milliseconds) would swamp an edit's
+    cost; within a round it hits the raw forward alike and cancels."""
     ks = [case.args[0] for case in cases]
     rows = list(entry["cases"].values())
+    key = "over_raw_us" if all("over_raw_us" in row.get("hooks", {}) for row in rows) else "median_us"
     out = {}
     for name in rows[0]:
-        if name == "raw" or len(ks) < 2 or any("median_us" not in row.get(name, {}) for row in rows):
+        if name == "raw" or len(ks) < 2 or any(key not in row.get(name, {}) for row in rows):
             continue  # (a contender that failed a case has no slope)
-        out[name] = {"per_edit_us": workloads.slope(ks, [row[name]["median_us"] for row in rows])}
+        out[name] = {"per_edit_us": workloads.slope(ks, [row[name][key] for row in rows])}
     ref = out.get("hooks", {}).get("per_edit_us")
     for row in out.values():  # (plain hooks' slope lost in noise, at or below 0: no ratio)
         row["ratio"] = row["per_edit_us"] / ref if ref and ref > 0 else None
