@@ -1,14 +1,16 @@
 """The torch-free tracer core: capture a `with` body, skip it, run it through a backend.
 
 `BLOCKS` (call site -> captured Block) and `SOURCES` (filename -> lines read once) are the
-capture caches; `save` here is the function (the module is `interlace.tracing.save`, reach
+capture caches; `DeferredBody` (made by `Tracer.defer()` in a backend) runs a captured body
+later, anywhere. `save` here is the function (the module is `interlace.tracing.save`, reach
 it with `importlib.import_module` or `from interlace.tracing.save import ...`).
 """
 
 from .backend import Backend
 from .blocks import BLOCKS, Block
+from .deferred import DeferredBody
 from .save import save
 from .source import SOURCES
 from .tracer import Tracer
 
-__all__ = ["BLOCKS", "SOURCES", "Backend", "Block", "Tracer", "save"]
+__all__ = ["BLOCKS", "SOURCES", "Backend", "Block", "DeferredBody", "Tracer", "save"]
