@@ -3,14 +3,13 @@
 A sweep captures its `with` block once and runs the body once per item, possibly many items
 in one forward pass. Each run must behave as if it were the only trace: its own `.save()`
 set, its own locals (a fresh copy of the caller's variables), and, when it ends, only the
-values it saved. This is the one module that reaches into the tracer core's internals, so
-that porting to a public "deferred body" API later touches only this file:
+values it saved. Built on the tracer core's deferred-body API (`Tracer.defer`):
 
-- `Tracer.run_body(namespace)` runs the body in the trace state `tracer._state`: each item
-  sets its own `TraceState` there just before its body starts (`ItemBody`), and the sweep's
-  own state is put back when the items have run (`own_state`);
-- `tracer._frame.f_locals` is read once per sweep: every item starts from that snapshot
-  (`caller_namespace`).
+- `caller_namespace(tracer)`: the caller's names the body uses, bound once per sweep as the
+  block exits; every item starts from that snapshot;
+- `ItemBody`: each item runs `tracer.defer(namespace, state=TraceState(None))`, a body of
+  its own with a save state of its own (on a Ray worker too, where the tracer was rebuilt
+  from a pickle and the namespace carries the globals the body reads).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import os
 
 from ..intervention.mediator import ENDED_EARLY
-from ..intervention.tracer import locals_at
 from ..tracing.save import TraceState
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -42,27 +40,19 @@ class ItemBody:
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
 
     def __call__(self):
-        job = self.job
-        tracer = job.tracer
-        state = TraceState(None)
+        body = self.job.tracer.defer(self.job.namespace, state=TraceState(None))
         values = None
-        tracer._state = state  # run_body makes it current in this greenlet, once, at entry
         try:
-            values = tracer.run_body(job.namespace)
+            values = body.run()
         except ENDED_EARLY as signal:
-            values = locals_at(signal, tracer.block)
+            values = body.locals_at(signal)
             raise
         except Exception as error:
             name_item(error, self.index, self.item)
             raise
         finally:
             if values is not None:
-                saved = state.saved
-                assigned = tracer.block.assigned_names
-                self.saved = {
-                    name: value for name, value in values.items()
-                    if name in assigned and id(value) in saved
-                }
+                self.saved = body.results(values)
 
 
 def name_item(error, index, item):
@@ -97,25 +87,24 @@ def item_of(error):
 
 
 def caller_namespace(tracer):
-    """A snapshot of the caller's variables as the block was entered (one per sweep).
+    """The caller's names the body uses, as they were when the block was entered (one
+    snapshot per sweep; call it in the backend).
 
     Every item's body gets its own locals built from this snapshot (as a trace's body gets
     a copy of the caller's locals), so one item's assignments never reach another item.
     """
-    frame = tracer._frame
-    return dict(frame.f_locals) if frame is not None else {}
+    return tracer.defer().namespace
 
 
 class own_state:
-    """`with own_state(tracer):` - the sweep's own trace state is restored after items ran."""
+    """`with own_state(tracer) as state:` - the sweep's own trace state (items save into
+    states of their own, so the sweep's is never replaced)."""
 
     def __init__(self, tracer):
-        self.tracer = tracer
         self.state = tracer.trace_state()
 
     def __enter__(self):
         return self.state
 
     def __exit__(self, *exc):
-        self.tracer._state = self.state
         return False
