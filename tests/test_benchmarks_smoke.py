@@ -185,17 +185,18 @@ def test_baseline_without_git_says_so(tmp_path):
 
 
 def test_baseline_build_failure_says_so_and_the_export_is_reused(tmp_path):
-    if _head() is None:
+    head = _head()
+    if head is None:
         pytest.skip("no git, or this checkout is not a git repository: --baseline needs one")
     baseline = _baseline_module()
     failing = shutil.which("false")
     if failing is None:
         pytest.skip("no `false` command to stand in for a failing build")
-    why = baseline.prepare("HEAD", ROOT, str(tmp_path), python=failing)
-    tree = tmp_path / f"baseline-{_head()[:12]}"
-    assert why == f"building HEAD's extension in {tree} failed: exit status 1"
+    why = baseline.prepare(head, ROOT, str(tmp_path), python=failing)
+    tree = tmp_path / f"baseline-{head[:12]}"
+    assert why == f"building {head}'s extension in {tree} failed: exit status 1"
     marker = tree / baseline.MARKER
-    assert marker.read_text().strip() == _head() and (tree / "setup.py").exists()
+    assert marker.read_text().strip() == head and (tree / "setup.py").exists()
     before = marker.stat().st_mtime_ns
-    assert baseline.prepare("HEAD", ROOT, str(tmp_path), python=failing) == why
+    assert baseline.prepare(head, ROOT, str(tmp_path), python=failing) == why
     assert marker.stat().st_mtime_ns == before  # exported once, reused
