@@ -45,14 +45,16 @@ class DeferredBody:
     (the `TraceState` that `save()` marks into while the body runs).
     """
 
-    __slots__ = ("tracer", "block", "namespace", "globals", "state", "_code", "_entry")
+    __slots__ = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
 
-    def __init__(self, tracer, namespace, globals_, state: TraceState):
+    def __init__(self, tracer, namespace, globals_, state: TraceState, _params=None):
+        block = self.block = tracer.block
         self.tracer = tracer
-        self.block = tracer.block
         self.namespace = namespace
         self.globals = globals_
         self.state = state
+        # the body's parameters: the names of `namespace` it mentions, in `block.names` order
+        self._params = tuple([name for name in block.names if name in namespace]) if _params is None else _params
         self._code = None  # the code object the latest run executes (to find its frame)
         self._entry = None  # the namespace the latest run started from
 
@@ -71,7 +73,9 @@ class DeferredBody:
         block = self.block
         if namespace is None:
             namespace = self.namespace
-        params = tuple([name for name in block.names if name in namespace])
+            params = self._params
+        else:
+            params = tuple([name for name in block.names if name in namespace])
         if globals is None:
             globals_ = self.globals
             if globals_ is None:  # rebuilt from a pickle: the namespace is all there is
@@ -183,8 +187,11 @@ def defer(tracer, namespace=None, state=None) -> DeferredBody:
                 f"a tracer rebuilt from a pickle has none: pass `namespace=`."
             )
         names = frame.f_locals  # module: its globals; class: its namespace
-        namespace = {name: names[name] for name in block.names if name in names}
+        params = tuple([name for name in block.names if name in names])
+        namespace = {name: names[name] for name in params}
         skip.release_locals(frame, names)  # the snapshot would keep the caller's locals alive
+    else:
+        params = None
     globals_ = frame.f_globals if frame is not None else None
-    return DeferredBody(tracer, namespace, globals_, tracer.trace_state() if state is None else state)
+    return DeferredBody(tracer, namespace, globals_, tracer.trace_state() if state is None else state, params)
 
