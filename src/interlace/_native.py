@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-import sysconfig
 
-from .versions import EXTENSION_SUPPORTED
+from .versions import EXTENSION_SUPPORTED, INTERPRETER
 
 NO_EXTENSIONS = os.environ.get("INTERLACE_NO_EXTENSIONS") == "1"
 REQUIRE_EXTENSIONS = os.environ.get("INTERLACE_REQUIRE_EXTENSIONS") == "1"
@@ -44,10 +42,7 @@ def _load(compiled: str, twin: str):
     if NO_EXTENSIONS:
         why_not[compiled] = "INTERLACE_NO_EXTENSIONS=1"
     elif not SUPPORTED:
-        why_not[compiled] = (
-            f"the extension is not written for {sys.implementation.name} "
-            f"{sys.version.split()[0]}{' (free-threaded)' if sysconfig.get_config_var('Py_GIL_DISABLED') else ''}"
-        )
+        why_not[compiled] = f"the extension is not written for {INTERPRETER}"
     else:
         try:
             return importlib.import_module(f"interlace.{compiled}"), True
@@ -70,10 +65,7 @@ def _load(compiled: str, twin: str):
 
 
 if REQUIRE_EXTENSIONS and not NO_EXTENSIONS and not SUPPORTED:
-    raise ImportError(
-        f"INTERLACE_REQUIRE_EXTENSIONS=1 but interlace's extension is not written for "
-        f"{sys.implementation.name} {sys.version.split()[0]}"
-    )
+    raise ImportError(f"INTERLACE_REQUIRE_EXTENSIONS=1 but interlace's extension is not written for {INTERPRETER}")
 
 frames, _frames_native = _load("_cframes", "_pyframes")
 hotpath, _hotpath_native = _load("_chotpath", "_pyhotpath")

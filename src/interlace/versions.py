@@ -24,11 +24,18 @@ PY311_PLUS: Final[bool] = sys.version_info >= (3, 11)
 PY312_PLUS: Final[bool] = sys.version_info >= (3, 12)
 PY313_PLUS: Final[bool] = sys.version_info >= (3, 13)
 
+#: A free-threaded (no GIL) build.
+FREE_THREADED: Final[bool] = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+#: This interpreter in words, for messages: "cpython 3.13.0", "cpython 3.13.0 (free-threaded)".
+INTERPRETER: Final[str] = (
+    f"{sys.implementation.name} {sys.version.split()[0]}{' (free-threaded)' if FREE_THREADED else ''}"
+)
+
 #: The interpreters the native extension was written for (it reads their internals).
 EXTENSION_SUPPORTED: Final[bool] = (
     sys.implementation.name == "cpython"
     and (3, 10) <= sys.version_info[:2] <= (3, 13)
-    and not sysconfig.get_config_var("Py_GIL_DISABLED")
+    and not FREE_THREADED
 )
 
 #: `sys.monitoring` exists (3.12+): skips use LINE events instead of a trace function.
@@ -80,11 +87,29 @@ UNCHECKED_LOAD: Final[str] = "LOAD_FAST"
 CHECKED_LOAD: Final[str] = "LOAD_FAST_CHECK"
 #: 3.13 fuses two locals into one code unit (oparg = a << 4 | b); no checked form exists.
 FUSED_LOADS: Final[frozenset] = frozenset({"LOAD_FAST_LOAD_FAST", "STORE_FAST_LOAD_FAST"})
+#: 3.13's fused instructions: what each half of the pair does, first half first.
+FUSED_HALVES: Final[dict] = {
+    "LOAD_FAST_LOAD_FAST": ("LOAD_FAST", "LOAD_FAST"),
+    "STORE_FAST_LOAD_FAST": ("STORE_FAST", "LOAD_FAST"),
+    "STORE_FAST_STORE_FAST": ("STORE_FAST", "STORE_FAST"),
+}
+#: The longest JUMP_FORWARD that fits the one code unit of a fused read (no EXTENDED_ARG),
+#: in code units: what a 3.13 redirect can reach.
+MAX_UNIT_JUMP: Final[int] = 255
 #: Whether unchecked reads exist at all (3.10/3.11 LOAD_FAST always checks).
 NEEDS_LOAD_CHECKS: Final[bool] = PY312_PLUS
 # Reading a function frame's `f_locals` (3.10-3.12) leaves a dict snapshot on the frame that
 # keeps those values alive until the next read; 3.13's `f_locals` is a live proxy (PEP 667).
 LOCALS_SNAPSHOT: Final[bool] = not PY313_PLUS
+
+
+def fused_halves(name: str, arg: int) -> tuple:
+    """((opname, local index), (opname, local index)) of a 3.13 fused instruction `name`
+    with oparg `arg` (first half first), or () if `name` is not fused."""
+    halves = FUSED_HALVES.get(name)
+    if halves is None:
+        return ()
+    return ((halves[0], arg >> 4), (halves[1], arg & 15))
 
 
 def is_exit_call(names: list, args: list, i: int) -> int:
