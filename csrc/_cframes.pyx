@@ -5,10 +5,10 @@ Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C ha
 `_cframes_impl.c` (every function there states what it borrows and returns).
 """
 
-import sys
 import threading
+import weakref
 
-from interlace.versions import PY313_PLUS
+from interlace.versions import HAS_MONITORING, PY313_PLUS
 
 cdef extern from "_cframes_impl.h":
     int ilc_init(object skip_signal) except -1
@@ -20,15 +20,22 @@ cdef extern from "_cframes_impl.h":
     int ilc_redirect(object code, int unit, int delta) except -1
     int ilc_guard(object code, int unit) except -1
     Py_ssize_t ilc_armed_count()
-    object ilc_tracer_methods(object type, object enter, object exit, object clean, object blocks,
-                              object block_type, object plan_type, object enter_code_ids,
-                              object local, object current)
+    Py_ssize_t ilc_warm_entries()
+    int ilc_register_site(object code, int lasti, object kind, object block, object plan,
+                          int lo, int hi, int exit_unit, int mode) except -1
+    int ilc_look_past(object code) except -1
+    object ilc_site(object code, int lasti, object kind)
+    object ilc_user_frame(object frame)
+    object ilc_tracer_base()
+    object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
+                              object default_backend)
 
 COMPILED = True
 
 JUMP = 0
 RAISE_LINE = 1
 RAISE_INSTRUCTION = 2
+OPCODE_EVENTS = 4   # a flag of arm's mode: the body start shares the with's line
 
 
 class SkipSignal(BaseException):
@@ -38,14 +45,19 @@ class SkipSignal(BaseException):
 
 ilc_init(SkipSignal)
 
+TracerBase = ilc_tracer_base()   # the Tracer's per-run fields in C (see _cframes_impl.c)
+
 _lock = threading.Lock()
-_starts = {}          # id(code) -> (code, set(lines), set(units), set(guard units))
+# id(code) -> (weak reference to code, set(lines), set(units), set(guard units)); an entry
+# goes with its code object.
+_starts = {}
 _tool = None
 _DISABLE = None
 
 
 def arm(frame, int lo, int hi, int exit_unit, int mode):
-    """Arm a skip of `frame` at body units lo..hi; returns the handle for `disarm`.
+    """Arm a skip of `frame` at body units lo..hi; returns the handle for `disarm`, which
+    stays on this thread's armed stack until then.
 
     JUMP moves the frame to `exit_unit`; the RAISE modes raise SkipSignal instead."""
     return ilc_arm(frame, lo, hi, exit_unit, mode)
@@ -56,23 +68,55 @@ def disarm(handle):
     return ilc_disarm(handle) == 1
 
 
-def tracer_methods(cls, enter, exit, aenter, aexit, clean, blocks, block_type, plan_type,
-                   enter_code_ids, local, current):
-    """(__enter__, __exit__, __aenter__, __aexit__) for `cls` (the Tracer): C methods that do a
-    warm site's mechanism (lookup, arm, disarm, the backend call) and call the Python methods
-    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for the rest (policy). Every error
-    leaving them goes through `clean(error, None)` first (it drops interlace's frames), so
-    no interlace frame is in its traceback. The C __aenter__/__aexit__ call __enter__/__exit__
-    and return a done awaitable; the Python `aenter`/`aexit` are the twin's (unused here).
-    The other arguments are the objects the warm path reads: BLOCKS, Block, SkipPlan, the
-    __enter__ code ids to look past, skip's thread-local stack and the trace-state ContextVar
-    (see _cframes_impl.c)."""
-    return ilc_tracer_methods(cls, enter, exit, clean, blocks, block_type, plan_type, enter_code_ids,
-                              local, current)
+def tracer_methods(cls, enter, exit, aenter, aexit, clean, current, default_backend):
+    """(__enter__, __exit__, __aenter__, __aexit__) for `cls` (the Tracer, a TracerBase):
+    C methods that do a registered site's mechanism (set the per-run fields, arm, disarm,
+    call the backend) and call the Python methods `enter(self, frame)` /
+    `exit(self, t, v, tb, fired)` for the rest (policy). Every error leaving them goes
+    through `clean(error, signal)` first (it drops interlace's frames), so no interlace frame
+    is in its traceback. The C __aenter__/__aexit__ call __enter__/__exit__ and return a done
+    awaitable; the Python `aenter`/`aexit` are the twin's (unused here). `current` is the
+    trace-state ContextVar whose value becomes the tracer's `_parent`; `default_backend` is
+    what TracerBase.__init__ stores for `backend=None`."""
+    return ilc_tracer_methods(cls, enter, exit, clean, current, default_backend)
+
+
+def register_site(code, int lasti, kind, block, plan, arm_args=None):
+    """Record what the policy decided for the with at `lasti` of `code`, for tracers of type
+    `kind`: its Block, its SkipPlan and `arm_args` (lo, hi, exit, mode), or plan None for a
+    body that runs inline. Kept on the code object (co_extra), so it goes when the code
+    object goes; the Block and the type are held weakly (a record whose Block went is a
+    miss), since the code object cannot be part of a cycle the collector sees."""
+    if plan is None:
+        ilc_register_site(code, lasti, kind, block, None, -1, -1, -1, 0)
+    else:
+        lo, hi, exit_unit, mode = arm_args
+        ilc_register_site(code, lasti, kind, block, plan, lo, hi, exit_unit, mode)
+
+
+def site(code, int lasti, kind):
+    """The record `register_site` made: (block, plan, arm_args), or None."""
+    return ilc_site(code, lasti, kind)
+
+
+def look_past(code):
+    """Mark `code` as a tracer's own __enter__ (a subclass's calling super().__enter__()):
+    `user_frame` and the warm path walk past its frames to the user's."""
+    ilc_look_past(code)
+
+
+def user_frame(frame):
+    """`frame`, or its first caller whose code `look_past` did not mark."""
+    return ilc_user_frame(frame)
+
+
+def warm_entries():
+    """Tracer entries the compiled warm path served since import (the twin has none: 0)."""
+    return ilc_warm_entries()
 
 
 def armed_count():
-    """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11). For leak tests."""
+    """Armed handles not yet disarmed, on any thread's armed stack. For leak tests."""
     return ilc_armed_count()
 
 
@@ -126,7 +170,16 @@ cdef extern from *:
     int PyFrame_LocalsToFast "ilc_locals_to_fast" (object frame, int clear) except -1
 
 
-if hasattr(sys, "monitoring"):
+def _forget_starts(ref, key):
+    """A monitored code object went: drop its entry (unless a new one has its id)."""
+    entry = _starts.get(key)
+    if entry is not None and entry[0] is ref:
+        del _starts[key]
+
+
+if HAS_MONITORING:
+    import sys
+
     _mon = sys.monitoring
     _DISABLE = _mon.DISABLE
 
@@ -154,13 +207,13 @@ if hasattr(sys, "monitoring"):
         if ilc_fire() == 1:
             return None
         entry = _starts.get(id(code))
-        if entry is None or line not in entry[1]:
+        if entry is None or line not in entry[1] or entry[0]() is not code:
             return _DISABLE
         return None
 
     def _on_instruction(code, offset):
         entry = _starts.get(id(code))
-        if entry is None:
+        if entry is None or entry[0]() is not code:
             return _DISABLE
         unit = offset // 2
         guarded = unit in entry[3]
@@ -180,8 +233,10 @@ if hasattr(sys, "monitoring"):
         tool = _tool_id()
         with _lock:
             entry = _starts.get(id(code))
-            if entry is None or entry[0] is not code:
-                entry = _starts[id(code)] = (code, set(), set(), set())
+            if entry is None or entry[0]() is not code:
+                key = id(code)
+                ref = weakref.ref(code, lambda ref, key=key: _forget_starts(ref, key))
+                entry = _starts[key] = (ref, set(), set(), set())
             for unit in fused_prev_units:
                 ilc_split_super(code, unit)
             entry[1].update(lines)

@@ -1,18 +1,25 @@
 /* interlace frame mechanism, CPython 3.10-3.13 (reads interpreter internals: no stable ABI).
  *
- * Mechanism only; every decision is made in interlace/tracing/skip.py.
+ * Mechanism only; every decision is made in Python (interlace/tracing/skip.py, tracer.py).
  *
- *  - ilc_arm/ilc_disarm: an armed handle records (frame, body units lo..hi, exit unit, mode).
- *    3.10/3.11: the handle is also the `obj` of a one-shot C trace function installed with
- *    PyEval_SetTrace, chained to the thread's previous C trace function, which it forwards
- *    every event it does not consume to. 3.12+: the handle sits in a small table consulted
- *    by the sys.monitoring callbacks (ilc_fire).
+ *  - ilc_arm/ilc_disarm: an armed handle records (frame, body units lo..hi, exit unit, mode)
+ *    and sits on its thread's armed stack until disarmed. 3.10/3.11: the handle is also the
+ *    `obj` of a one-shot C trace function installed with PyEval_SetTrace, chained to the
+ *    thread's previous C trace function, which it forwards every event it does not consume
+ *    to. 3.12+: the sys.monitoring callbacks (ilc_fire) look for the current frame's handle
+ *    on the thread's stack.
  *  - Writing the instruction pointer only takes effect where the eval loop reloads it: after
  *    a line-trace call (3.10 f_lasti, 3.11 prev_instr) and after a sys.monitoring LINE
  *    callback (3.12 prev_instr, 3.13 instr_ptr).
+ *  - Warm sites (ilc_register_site): what the Python policy decided for a `with` site, kept
+ *    by C on the code object itself (co_extra), so the Tracer's C __enter__ finds it
+ *    without reading a Python attribute and it goes when the code object goes.
+ *  - TracerBase: the Tracer's per-run fields as C fields, read and written by the warm path
+ *    by offset and exposed to Python under the same names.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include "frameobject.h"
 #if PY_VERSION_HEX >= 0x030B0000
 #  ifndef Py_BUILD_CORE
@@ -31,23 +38,46 @@
 #define CHECK(cond, msg) do { if (!(cond)) { PyErr_Format(PyExc_SystemError, \
     "interlace._cframes %s:%d: %s", __FILE__, __LINE__, msg); return -1; } } while (0)
 
+#if PY_VERSION_HEX >= 0x030C0000
+#  define ILC_GET_EXTRA PyUnstable_Code_GetExtra
+#  define ILC_SET_EXTRA PyUnstable_Code_SetExtra
+#  define ILC_REQUEST_EXTRA PyUnstable_Eval_RequestCodeExtraIndex
+#else
+#  define ILC_GET_EXTRA _PyCode_GetExtra
+#  define ILC_SET_EXTRA _PyCode_SetExtra
+#  define ILC_REQUEST_EXTRA _PyEval_RequestCodeExtraIndex
+#endif
+
 static PyObject *SkipSignal = NULL;   /* strong, set once by ilc_init */
 
-typedef struct {
+/* ------------------------------------------------------------- armed handles ---- */
+
+typedef struct Armed {
     PyObject_HEAD
     PyObject *frame;          /* strong: keeps f_frame pointing at the live frame */
     int lo, hi, exit_unit, mode;
+    int by_opcode;            /* 3.10/3.11: the body start shares a line: per-opcode events */
     int fired, live;
+    int stacked;              /* on its thread's armed stack (which holds a reference) */
+    int disarmed;             /* disarm() ran (maybe on another thread: see pop_armed) */
+    unsigned long thread;     /* the arming thread (PyThread_get_thread_ident) */
+    struct Armed *below, *above;  /* neighbours on that stack (the stack owns them) */
     Py_tracefunc prev_func;   /* 3.10/3.11: the tracer we chain to */
     PyObject *prev_obj;       /* strong */
     int saved_opcodes;        /* the frame's f_trace_opcodes before arming */
     int installed;            /* we are (or were) the thread's C trace function */
 } Armed;
 
+/* A few freed records kept for the next arm (a warm site arms and frees one per trace). */
+#define ARMED_FREE_MAX 8
+static Armed *armed_free[ARMED_FREE_MAX];
+static int n_armed_free = 0;
+
 static void armed_dealloc(Armed *self) {
     Py_CLEAR(self->frame);
     Py_CLEAR(self->prev_obj);
-    PyObject_Free(self);
+    if (n_armed_free < ARMED_FREE_MAX) armed_free[n_armed_free++] = self;
+    else PyObject_Free(self);
 }
 
 static PyTypeObject ArmedType = {
@@ -59,8 +89,61 @@ static PyTypeObject ArmedType = {
     .tp_doc = "An armed skip (opaque handle).",
 };
 
+/* The per-thread armed stack: a doubly linked list of Armed records whose top is this
+ * thread's thread-specific value. Each record is pushed by arm and taken off by disarm on
+ * the same thread (a with statement enters and exits on one thread); a record disarmed from
+ * another thread stays until its own thread next arms, fires or disarms (prune_dead). */
+static Py_tss_t armed_top = Py_tss_NEEDS_INIT;
+static Py_ssize_t n_stacked = 0;      /* records on any thread's stack */
+static Py_ssize_t n_warm = 0;         /* Tracer entries the warm path served */
+
+/* a: borrowed. Pushes it on this thread's stack (the stack takes a new reference).
+   Returns 0, -1 with an error set. */
+static int push_armed(Armed *a) {
+    Armed *top = (Armed *)PyThread_tss_get(&armed_top);
+    if (PyThread_tss_set(&armed_top, a) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "interlace: cannot record an armed skip for this thread");
+        return -1;
+    }
+    a->below = top;
+    a->above = NULL;
+    if (top != NULL) top->above = a;
+    a->stacked = 1;
+    a->thread = PyThread_get_thread_ident();
+    Py_INCREF(a);
+    n_stacked++;
+    return 0;
+}
+
+/* a: borrowed (the caller holds a reference). Takes it off this thread's stack and drops
+   the stack's reference; a record of another thread's stack is left to that thread. */
+static void pop_armed(Armed *a) {
+    if (!a->stacked || a->thread != PyThread_get_thread_ident()) return;
+    if (a->above != NULL) a->above->below = a->below;
+    else PyThread_tss_set(&armed_top, a->below);
+    if (a->below != NULL) a->below->above = a->above;
+    a->below = a->above = NULL;
+    a->stacked = 0;
+    n_stacked--;
+    Py_DECREF(a);
+}
+
+/* Drop records disarmed from another thread off the top of this thread's stack. */
+static void prune_dead(void) {
+    Armed *top;
+    while ((top = (Armed *)PyThread_tss_get(&armed_top)) != NULL && top->disarmed) {
+        Py_INCREF(top);
+        pop_armed(top);
+        Py_DECREF(top);
+    }
+}
+
 int ilc_init(PyObject *skip_signal) {
     if (PyType_Ready(&ArmedType) < 0) return -1;
+    if (!PyThread_tss_is_created(&armed_top) && PyThread_tss_create(&armed_top) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "interlace: cannot create the armed-stack key");
+        return -1;
+    }
     Py_XINCREF(skip_signal);
     Py_XSETREF(SkipSignal, skip_signal);
     return 0;
@@ -91,19 +174,50 @@ static inline void frame_jump(PyFrameObject *f, int unit) {
 #endif
 }
 
+/* The code object a frame runs. f: borrowed. Returns a borrowed reference. */
+static inline PyObject *frame_code(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return (PyObject *)_PyFrame_GetCode(f->f_frame);
+#elif PY_VERSION_HEX >= 0x030B0000
+    return (PyObject *)f->f_frame->f_code;
+#else
+    return (PyObject *)f->f_code;
+#endif
+}
+
+/* frame.f_lasti (bytes) of a frame. f: borrowed. */
+static inline int frame_lasti_bytes(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    return f->f_lasti < 0 ? -1 : f->f_lasti * (int)sizeof(_Py_CODEUNIT);
+#endif
+}
+
 /* A new Armed record for `frame` (borrowed; the record keeps a new reference), nothing
    installed yet. Returns a new reference, or NULL with an exception set. */
 static Armed *new_armed(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
     if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "arm() needs a frame"); return NULL; }
-    Armed *a = PyObject_New(Armed, &ArmedType);
-    if (a == NULL) return NULL;
+    Armed *a;
+    if (n_armed_free > 0) {
+        a = armed_free[--n_armed_free];
+        (void)PyObject_Init((PyObject *)a, &ArmedType);
+    } else if ((a = PyObject_New(Armed, &ArmedType)) == NULL) {
+        return NULL;
+    }
     Py_INCREF(frame);
     a->frame = frame;
-    a->lo = lo; a->hi = hi; a->exit_unit = exit_unit; a->mode = mode;
-    a->fired = 0; a->live = 1;
+    a->lo = lo; a->hi = hi; a->exit_unit = exit_unit;
+    a->mode = mode & ~ILC_OPCODE_EVENTS;
+    a->by_opcode = (mode & ILC_OPCODE_EVENTS) != 0;
+    a->fired = 0; a->live = 1; a->stacked = 0; a->disarmed = 0; a->thread = 0;
+    a->below = a->above = NULL;
     a->prev_func = NULL; a->prev_obj = NULL; a->saved_opcodes = 0; a->installed = 0;
     return a;
 }
+
+Py_ssize_t ilc_armed_count(void) { return n_stacked; }
+Py_ssize_t ilc_warm_entries(void) { return n_warm; }
 
 /* ------------------------------------------------------------------ 3.10 / 3.11 ---- */
 #if PY_VERSION_HEX < 0x030C0000
@@ -179,17 +293,27 @@ done:
 
 PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
     PyThreadState *tstate = PyThreadState_Get();
+    prune_dead();
     Armed *a = new_armed(frame, lo, hi, exit_unit, mode);
     if (a == NULL) return NULL;
+    if (push_armed(a) < 0) { Py_DECREF(a); return NULL; }
     a->prev_func = tstate->c_tracefunc;
     a->prev_obj = tstate->c_traceobj;
     Py_XINCREF(a->prev_obj);
     PyFrameObject *f = (PyFrameObject *)frame;
     a->saved_opcodes = f->f_trace_opcodes;
-    f->f_trace_opcodes = 1;                /* bodies on the with line get no line event */
+    if (a->by_opcode || !f->f_trace_lines)
+        f->f_trace_opcodes = 1;            /* no line event at the body start: opcode events */
     a->installed = 1;
     PyEval_SetTrace(oneshot_trace, (PyObject *)a);
-    if (PyErr_Occurred()) { a->installed = 0; f->f_trace_opcodes = (char)a->saved_opcodes; Py_DECREF(a); return NULL; }
+    if (PyErr_Occurred()) {
+        a->installed = 0;
+        f->f_trace_opcodes = (char)a->saved_opcodes;
+        a->disarmed = 1;
+        pop_armed(a);
+        Py_DECREF(a);
+        return NULL;
+    }
     return (PyObject *)a;
 }
 
@@ -198,6 +322,9 @@ int ilc_disarm(PyObject *handle) {
     Armed *a = (Armed *)handle;
     Py_INCREF(a);
     restore(a);
+    a->disarmed = 1;
+    pop_armed(a);
+    prune_dead();
     Py_CLEAR(a->frame);
     int fired = a->fired;
     Py_DECREF(a);
@@ -211,36 +338,16 @@ int ilc_redirect(PyObject *code, int unit, int delta) {
     PyErr_SetString(PyExc_NotImplementedError, "redirect() is for 3.13 only"); return -1;
 }
 int ilc_guard(PyObject *code, int unit) { return 0; }
-Py_ssize_t ilc_armed_count(void) { return 0; }
 
 /* ------------------------------------------------------------------ 3.12 / 3.13 ---- */
 #else
 
-#define MAX_ARMED 256
-static Armed *armed[MAX_ARMED];          /* strong references */
-static Py_ssize_t n_armed = 0;
-
 PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode) {
-    if (n_armed >= MAX_ARMED) {
-        PyErr_SetString(PyExc_RuntimeError, "interlace: too many traces armed at once (256)");
-        return NULL;
-    }
+    prune_dead();
     Armed *a = new_armed(frame, lo, hi, exit_unit, mode);
     if (a == NULL) return NULL;
-    Py_INCREF(a);
-    armed[n_armed++] = a;                  /* the table's reference */
+    if (push_armed(a) < 0) { Py_DECREF(a); return NULL; }
     return (PyObject *)a;
-}
-
-static void unlink_armed(Armed *a) {
-    for (Py_ssize_t k = n_armed - 1; k >= 0; k--) {
-        if (armed[k] == a) {
-            memmove(&armed[k], &armed[k + 1], (size_t)(n_armed - k - 1) * sizeof(Armed *));
-            n_armed--;
-            Py_DECREF(a);
-            return;
-        }
-    }
 }
 
 int ilc_disarm(PyObject *handle) {
@@ -248,7 +355,9 @@ int ilc_disarm(PyObject *handle) {
     Armed *a = (Armed *)handle;
     Py_INCREF(a);
     a->live = 0;
-    unlink_armed(a);
+    a->disarmed = 1;
+    pop_armed(a);
+    prune_dead();
     Py_CLEAR(a->frame);
     int fired = a->fired;
     Py_DECREF(a);
@@ -256,15 +365,16 @@ int ilc_disarm(PyObject *handle) {
 }
 
 int ilc_fire(void) {
-    if (n_armed == 0) return 0;
+    if (n_stacked == 0) return 0;
+    Armed *a = (Armed *)PyThread_tss_get(&armed_top);
+    if (a == NULL) return 0;
     PyThreadState *tstate = PyThreadState_Get();
 #if PY_VERSION_HEX >= 0x030D0000
     _PyInterpreterFrame *cur = tstate->current_frame;
 #else
     _PyInterpreterFrame *cur = tstate->cframe->current_frame;
 #endif
-    for (Py_ssize_t k = n_armed - 1; k >= 0; k--) {
-        Armed *a = armed[k];
+    for (; a != NULL; a = a->below) {
         if (!a->live || a->frame == NULL) continue;
         PyFrameObject *f = (PyFrameObject *)a->frame;
         if (f->f_frame != cur) continue;
@@ -281,8 +391,6 @@ int ilc_fire(void) {
     }
     return 0;
 }
-
-Py_ssize_t ilc_armed_count(void) { return n_armed; }
 
 /* The opcode slot that decides what unit `i` executes: through INSTRUMENTED_LINE and
    INSTRUMENTED_INSTRUCTION to the stored original opcode. */
@@ -389,41 +497,373 @@ int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
 }
 #endif
 
+/* --------------------------------------------------------------- warm sites ---- *
+ * What the Python policy decided for a `with` site, kept on the code object (co_extra): one
+ * CodeSites per code object, freed with it. A site is keyed by the with's f_lasti and the
+ * tracer's type; `look_past` marks a tracer's own __enter__ (a subclass calling
+ * super().__enter__()), whose frame is walked past to find the user's.
+ *
+ * Nothing a record refers to strongly may lead back to the code object: the garbage
+ * collector does not see co_extra, so such a cycle would never be freed. The Block (whose
+ * body functions hold the globals that hold the code) and the tracer type (whose methods
+ * may) are therefore weak references: a record whose Block went (dropped from BLOCKS) is a
+ * miss, and the policy registers the site again. The SkipPlan holds only facts. */
+
+typedef struct {
+    int lasti;                /* bytes offset of the with's enter instruction */
+    PyObject *kind;           /* strong: a weak reference to the tracer type */
+    PyObject *block;          /* strong: a weak reference to its Block */
+    PyObject *plan;           /* strong: its SkipPlan; NULL for a body that runs inline */
+    int lo, hi, exit_unit, mode;
+} Site;
+
+/* What the weak reference `ref` (borrowed; made by PyWeakref_NewRef) points to, borrowed,
+   or NULL if it is gone. The GIL build clears wr_object to None when the referent goes. */
+static inline PyObject *target_of(PyObject *ref) {
+    PyObject *obj = ((PyWeakReference *)ref)->wr_object;
+    return obj != Py_None && Py_REFCNT(obj) > 0 ? obj : NULL;
+}
+
+/* target_of as a NEW reference, or NULL (no error set). */
+static inline PyObject *deref(PyObject *ref) {
+    return Py_XNewRef(target_of(ref));
+}
+
+/* Whether the weak reference `ref` (borrowed) points to `obj` (borrowed). */
+static inline int refers_to(PyObject *ref, PyObject *obj) {
+    return target_of(ref) == obj;
+}
+
+typedef struct {
+    int look_past;
+    Py_ssize_t n, cap;
+    Site *sites;              /* PyMem; n used */
+} CodeSites;
+
+static Py_ssize_t extra_index = -1;
+
+static void site_clear(Site *s) {
+    Py_CLEAR(s->kind);
+    Py_CLEAR(s->block);
+    Py_CLEAR(s->plan);
+}
+
+/* co_extra's free function: runs when the code object goes (the GIL is held). */
+static void code_sites_free(void *p) {
+    CodeSites *cs = (CodeSites *)p;
+    if (cs == NULL) return;
+    Site *sites = cs->sites;
+    Py_ssize_t n = cs->n;
+    cs->sites = NULL;
+    cs->n = cs->cap = 0;
+    for (Py_ssize_t k = 0; k < n; k++) site_clear(&sites[k]);
+    PyMem_Free(sites);
+    PyMem_Free(cs);
+}
+
+/* The CodeSites of `code` (borrowed), or NULL if none (no error set). */
+static inline CodeSites *code_sites(PyObject *code) {
+    void *extra = NULL;
+    if (extra_index < 0 || ILC_GET_EXTRA(code, extra_index, &extra) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return (CodeSites *)extra;
+}
+
+/* The CodeSites of `code`, made if missing. Returns NULL with an error set. */
+static CodeSites *code_sites_make(PyObject *code) {
+    if (!PyCode_Check(code)) { PyErr_SetString(PyExc_TypeError, "expected a code object"); return NULL; }
+    if (extra_index < 0) {
+        extra_index = ILC_REQUEST_EXTRA(code_sites_free);
+        if (extra_index < 0) { PyErr_SetString(PyExc_RuntimeError, "interlace: no code extra index left"); return NULL; }
+    }
+    CodeSites *cs = code_sites(code);
+    if (cs != NULL) return cs;
+    cs = (CodeSites *)PyMem_Calloc(1, sizeof(CodeSites));
+    if (cs == NULL) { PyErr_NoMemory(); return NULL; }
+    if (ILC_SET_EXTRA(code, extra_index, cs) < 0) { PyMem_Free(cs); return NULL; }
+    return cs;
+}
+
+/* The site of (lasti, kind) in cs, or NULL. cs, kind: borrowed. */
+static inline Site *find_site(CodeSites *cs, int lasti, PyObject *kind) {
+    for (Py_ssize_t k = 0; k < cs->n; k++)
+        if (cs->sites[k].lasti == lasti && refers_to(cs->sites[k].kind, kind)) return &cs->sites[k];
+    return NULL;
+}
+
+int ilc_register_site(PyObject *code, int lasti, PyObject *kind, PyObject *block, PyObject *plan,
+                      int lo, int hi, int exit_unit, int mode) {
+    CHECK(PyType_Check(kind), "register_site() needs the tracer type");
+    PyObject *kind_ref = PyWeakref_NewRef(kind, NULL);
+    if (kind_ref == NULL) return -1;
+    PyObject *block_ref = PyWeakref_NewRef(block, NULL);
+    if (block_ref == NULL) { Py_DECREF(kind_ref); return -1; }
+    CodeSites *cs = code_sites_make(code);
+    if (cs == NULL) { Py_DECREF(kind_ref); Py_DECREF(block_ref); return -1; }
+    Site *s = find_site(cs, lasti, kind);
+    if (s == NULL) {                       /* else a record whose type or Block went */
+        for (Py_ssize_t k = 0; k < cs->n && s == NULL; k++)
+            if (target_of(cs->sites[k].kind) == NULL || target_of(cs->sites[k].block) == NULL)
+                s = &cs->sites[k];
+    }
+    Site old = {0};
+    if (s == NULL) {
+        if (cs->n == cs->cap) {
+            Py_ssize_t cap = cs->cap ? cs->cap * 2 : 2;
+            Site *grown = PyMem_Realloc(cs->sites, (size_t)cap * sizeof(Site));
+            if (grown == NULL) { Py_DECREF(kind_ref); Py_DECREF(block_ref); PyErr_NoMemory(); return -1; }
+            cs->sites = grown;
+            cs->cap = cap;
+        }
+        s = &cs->sites[cs->n++];
+        memset(s, 0, sizeof(Site));
+    } else {
+        old = *s;                          /* released last: a release may run Python code */
+    }
+    s->lasti = lasti;
+    s->kind = kind_ref;
+    s->block = block_ref;
+    s->plan = (plan == Py_None) ? NULL : plan;
+    Py_XINCREF(s->plan);
+    s->lo = lo; s->hi = hi; s->exit_unit = exit_unit; s->mode = mode;
+    site_clear(&old);
+    return 0;
+}
+
+int ilc_look_past(PyObject *code) {
+    CodeSites *cs = code_sites_make(code);
+    if (cs == NULL) return -1;
+    cs->look_past = 1;
+    return 0;
+}
+
+/* The frame the user wrote the `with` in: `frame` (borrowed) or the first caller whose code
+   is not marked look_past. Returns a NEW reference (NULL without an error if none). */
+static PyFrameObject *user_frame(PyFrameObject *f) {
+    Py_XINCREF(f);
+    while (f != NULL) {
+        CodeSites *cs = code_sites(frame_code(f));
+        if (cs == NULL || !cs->look_past) break;
+        PyFrameObject *back = PyFrame_GetBack(f);  /* new reference or NULL */
+        Py_DECREF(f);
+        f = back;
+    }
+    return f;
+}
+
+PyObject *ilc_user_frame(PyObject *frame) {
+    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "user_frame() needs a frame"); return NULL; }
+    PyFrameObject *f = user_frame((PyFrameObject *)frame);
+    if (f == NULL) Py_RETURN_NONE;
+    return (PyObject *)f;
+}
+
+PyObject *ilc_site(PyObject *code, int lasti, PyObject *kind) {
+    if (!PyCode_Check(code)) { PyErr_SetString(PyExc_TypeError, "site() needs a code object"); return NULL; }
+    CodeSites *cs = code_sites(code);
+    Site *s = cs != NULL ? find_site(cs, lasti, kind) : NULL;
+    PyObject *block = s != NULL ? deref(s->block) : NULL;  /* a record whose Block went: none */
+    if (block == NULL) Py_RETURN_NONE;
+    PyObject *out = s->plan == NULL ? Py_BuildValue("(NOO)", block, Py_None, Py_None)
+        : Py_BuildValue("(NO(iiii))", block, s->plan, s->lo, s->hi, s->exit_unit, s->mode);
+    return out;
+}
+
+/* ----------------------------------------------------------------- TracerBase ---- *
+ * The Tracer's fields, in C so that the warm path reads and writes them by offset, and its
+ * __init__ (args, kwargs, backend), in C so that making a tracer runs no Python frame. A
+ * field holds NULL when unset and reads as None (assigning None stores NULL); `kwargs` reads
+ * as a dict made on first use. A heap type without tp_new of its own: instances are made by
+ * object.__new__, so a Python subclass pickles (every protocol) and copies like any Python
+ * class (through its __getstate__). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *args;           /* the positional arguments (a tuple) */
+    PyObject *kwargs;         /* the keyword arguments but `backend` (NULL: none yet) */
+    PyObject *block;          /* the captured Block (kept after the run) */
+    PyObject *backend;        /* called with the tracer after a clean skip */
+    PyObject *frame;          /* the caller's frame while the trace runs */
+    PyObject *plan;           /* its SkipPlan (NULL: the body runs inline) */
+    PyObject *parent;         /* the enclosing trace's state, read at __enter__ */
+    PyObject *state;          /* this trace's TraceState, made when the body first runs */
+    PyObject *armed;          /* the Armed handle from __enter__ until __exit__ disarms */
+} TracerBaseObject;
+
+static PyTypeObject *TracerBaseType = NULL;   /* strong */
+static PyObject *tr_default_backend = NULL;   /* strong: the backend of `backend=None` */
+static PyObject *s_backend = NULL;            /* interned "backend", strong */
+
+#define TB(o) ((TracerBaseObject *)(o))
+#define FIELD(o, off) ((PyObject **)((char *)(o) + (Py_ssize_t)(off)))
+
+static PyObject *tb_get(PyObject *self, void *offset) {
+    PyObject *v = *FIELD(self, offset);
+    return Py_NewRef(v != NULL ? v : Py_None);
+}
+
+static int tb_set(PyObject *self, PyObject *value, void *offset) {
+    if (value == Py_None) value = NULL;
+    if ((Py_ssize_t)offset == offsetof(TracerBaseObject, armed) && value != NULL
+            && Py_TYPE(value) != &ArmedType) {
+        PyErr_SetString(PyExc_TypeError, "_armed must be an armed handle (frames.arm) or None");
+        return -1;
+    }
+    Py_XINCREF(value);
+    Py_XSETREF(*FIELD(self, offset), value);
+    return 0;
+}
+
+/* `kwargs`: the dict, made (and kept) on first read so that it is the same object each time. */
+static PyObject *tb_get_kwargs(PyObject *self, void *unused) {
+    TracerBaseObject *t = TB(self);
+    if (t->kwargs == NULL && (t->kwargs = PyDict_New()) == NULL) return NULL;
+    return Py_NewRef(t->kwargs);
+}
+
+/* __init__(self, *args, backend=None, **kwargs). self, args, kwds: borrowed. Returns 0, -1
+   with an error set. */
+static int tb_init(PyObject *self, PyObject *args, PyObject *kwds) {
+    TracerBaseObject *t = TB(self);
+    PyObject *backend = NULL, *kwargs = NULL;
+    Py_ssize_t n = kwds != NULL ? PyDict_GET_SIZE(kwds) : 0;
+    if (n > 0) {
+        backend = PyDict_GetItemWithError(kwds, s_backend);   /* borrowed */
+        if (backend == NULL && PyErr_Occurred()) return -1;
+        if (n > (backend != NULL)) {       /* more than `backend`: a dict of our own */
+            if ((kwargs = PyDict_Copy(kwds)) == NULL) return -1;
+            if (backend != NULL && PyDict_DelItem(kwargs, s_backend) < 0) { Py_DECREF(kwargs); return -1; }
+        }
+    }
+    if (backend == NULL || backend == Py_None) backend = tr_default_backend;
+    Py_XINCREF(backend);
+    Py_INCREF(args);
+    PyObject *old[3] = {t->args, t->kwargs, t->backend};
+    t->args = args;
+    t->kwargs = kwargs;
+    t->backend = backend;
+    for (int k = 0; k < 3; k++) Py_XDECREF(old[k]);
+    return 0;
+}
+
+static int tb_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    TracerBaseObject *t = TB(self);
+    Py_VISIT(t->args); Py_VISIT(t->kwargs);
+    Py_VISIT(t->block); Py_VISIT(t->backend); Py_VISIT(t->frame); Py_VISIT(t->plan);
+    Py_VISIT(t->parent); Py_VISIT(t->state); Py_VISIT(t->armed);
+    return 0;
+}
+
+/* A tracer that goes while armed (its __enter__ armed, then something raised before the
+   with could call __exit__) disarms first: the armed stack must not keep its frame. */
+static void tb_drop_armed(TracerBaseObject *t) {
+    PyObject *handle = t->armed;
+    if (handle == NULL) return;
+    t->armed = NULL;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *pending = PyErr_GetRaisedException();   /* dealloc keeps the caller's error */
+    if (ilc_disarm(handle) < 0) PyErr_Clear();
+    PyErr_SetRaisedException(pending);
+#else
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if (ilc_disarm(handle) < 0) PyErr_Clear();
+    PyErr_Restore(et, ev, etb);
+#endif
+    Py_DECREF(handle);
+}
+
+static int tb_clear(PyObject *self) {
+    TracerBaseObject *t = TB(self);
+    tb_drop_armed(t);
+    Py_CLEAR(t->args); Py_CLEAR(t->kwargs);
+    Py_CLEAR(t->block); Py_CLEAR(t->backend); Py_CLEAR(t->frame); Py_CLEAR(t->plan);
+    Py_CLEAR(t->parent); Py_CLEAR(t->state); Py_CLEAR(t->armed);
+    return 0;
+}
+
+static void tb_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    tb_clear(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+#define TB_FIELD(name, member, doc) \
+    {name, tb_get, tb_set, doc, (void *)offsetof(TracerBaseObject, member)}
+static PyGetSetDef tb_getset[] = {
+    TB_FIELD("args", args, "The positional arguments the tracer was made with."),
+    {"kwargs", tb_get_kwargs, tb_set, "The keyword arguments the tracer was made with, but `backend`.",
+     (void *)offsetof(TracerBaseObject, kwargs)},
+    TB_FIELD("block", block, "The captured Block of this tracer's with site (None before __enter__)."),
+    TB_FIELD("backend", backend, "Called with the tracer after a clean skip."),
+    TB_FIELD("_frame", frame, "The caller's frame while the trace runs."),
+    TB_FIELD("_plan", plan, "The site's SkipPlan while the trace runs (None: the body runs inline)."),
+    TB_FIELD("_parent", parent, "The enclosing trace's state, read at __enter__."),
+    TB_FIELD("_state", state, "This trace's TraceState, made when the body first runs."),
+    TB_FIELD("_armed", armed, "The armed skip from __enter__ until __exit__ disarms it."),
+    {NULL},
+};
+
+static PyType_Slot tb_slots[] = {
+    {Py_tp_doc, (void *)"The Tracer's per-run fields as C fields: the warm __enter__/__exit__ read "
+                        "and write them by offset, never by attribute name. Unset fields read as "
+                        "None; subclasses keep a __dict__."},
+    {Py_tp_dealloc, (void *)tb_dealloc},
+    {Py_tp_init, (void *)tb_init},
+    {Py_tp_traverse, (void *)tb_traverse},
+    {Py_tp_clear, (void *)tb_clear},
+    {Py_tp_getset, (void *)tb_getset},
+    {0, NULL},
+};
+
+static PyType_Spec tb_spec = {
+    .name = "interlace._cframes.TracerBase",
+    .basicsize = sizeof(TracerBaseObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = tb_slots,
+};
+
+PyObject *ilc_tracer_base(void) {
+    if (s_backend == NULL && (s_backend = PyUnicode_InternFromString("backend")) == NULL) return NULL;
+    if (TracerBaseType == NULL) {
+        TracerBaseType = (PyTypeObject *)PyType_FromSpec(&tb_spec);
+        if (TracerBaseType == NULL) return NULL;
+    }
+    return Py_NewRef((PyObject *)TracerBaseType);
+}
+
 /* ------------------------------------------------------- Tracer warm path (all) ---- *
  * Tracer.__enter__/__exit__/__aenter__/__aexit__ as C methods (no Python frame, no
- * traceback entry of ours). Mechanism only: on a warm site they look up what Python already
- * decided (the Block in BLOCKS, its SkipPlan's arm arguments) and arm/disarm exactly as
- * skip.arm/skip.disarm do, on the same thread-local stack, and call the backend. Anything
- * else (a miss, a negative verdict, a pass-only body, a subclass's __enter__ calling
- * super().__enter__(), an exception, a skip that did not fire) calls the Python methods,
- * which hold the whole policy.
+ * traceback entry of ours). Mechanism only: on a registered site they do what the policy
+ * decided (set the per-run fields, arm/disarm, call the backend). Anything else (a site not
+ * registered for this tracer type, a tracer already armed, an exception other than our skip
+ * signal, a skip that did not fire) calls the Python methods, which hold the whole policy.
  *
  * Errors: whatever leaves these methods (a refusal, a body's or a backend's error) first
- * goes through the Python `clean(error, None)`, which drops interlace's frames from its
+ * goes through the Python `clean(error, signal)`, which drops interlace's frames from its
  * traceback. `clean` returns normally, so it adds no frame; the eval loop then adds only the
  * user's frame at the `with` line: no interlace frame is left in the traceback. */
 
 static PyObject *tr_enter = NULL;     /* strong: Python __enter__(self, frame) */
 static PyObject *tr_exit = NULL;      /* strong: Python __exit__(self, t, v, tb, fired) */
 static PyObject *tr_clean = NULL;     /* strong: Python clean(error, signal): drop our frames */
-static PyObject *tr_blocks = NULL;    /* strong: blocks.BLOCKS (dict) */
-static PyObject *tr_block_type = NULL;/* strong: blocks.Block */
-static PyObject *tr_plan_type = NULL; /* strong: skip.SkipPlan */
-static PyObject *tr_enter_ids = NULL; /* strong: tracer._ENTER_CODE_IDS (set) */
-static PyObject *tr_local = NULL;     /* strong: skip._local (threading.local) */
-static PyObject *tr_current = NULL;   /* strong: save._CURRENT (ContextVar) */
-static PyObject *s_capture_key, *s_passonly, *s_skip_plan, *s_arm_args, *s_block, *s_parent,
-                *s_frame, *s_plan, *s_stack, *s_state, *s_backend,
-                *s_dunder_enter, *s_dunder_exit;  /* interned, strong */
+static PyObject *tr_current = NULL;   /* strong: the trace-state ContextVar */
+static PyObject *s_dunder_enter = NULL, *s_dunder_exit = NULL, *s_dunder_call = NULL;  /* interned */
 
-/* The pending exception, its traceback cleaned of interlace's frames, still pending.
-   Returns NULL (so that `return clean_pending();` propagates it). If `clean` itself fails,
-   the original exception stays as it was. */
-static PyObject *clean_pending(void) {
+/* The pending exception, its traceback cleaned of interlace's frames (and `signal`, borrowed,
+   unlinked from its context chain), still pending. Returns NULL (so that
+   `return clean_pending(...);` propagates it). If `clean` itself fails, the original
+   exception stays as it was. */
+static PyObject *clean_pending(PyObject *signal) {
 #if PY_VERSION_HEX >= 0x030C0000
     PyObject *error = PyErr_GetRaisedException();      /* new reference, traceback attached */
     if (error == NULL) return NULL;
-    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, Py_None, NULL);
+    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, signal, NULL);
     if (r == NULL) PyErr_Clear(); else Py_DECREF(r);
     PyErr_SetRaisedException(error);                   /* steals; uses error.__traceback__ */
 #else
@@ -432,7 +872,7 @@ static PyObject *clean_pending(void) {
     PyErr_NormalizeException(&type, &error, &tb);
     if (error == NULL) { PyErr_Restore(type, error, tb); return NULL; }
     if (tb != NULL) PyException_SetTraceback(error, tb);
-    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, Py_None, NULL);
+    PyObject *r = PyObject_CallFunctionObjArgs(tr_clean, error, signal, NULL);
     if (r == NULL) PyErr_Clear(); else Py_DECREF(r);
     Py_XDECREF(tb);
     tb = PyException_GetTraceback(error);              /* new reference: the cleaned one */
@@ -441,116 +881,90 @@ static PyObject *clean_pending(void) {
     return NULL;
 }
 
-static inline int frame_lasti_bytes(PyFrameObject *f) {
-#if PY_VERSION_HEX >= 0x030B0000
-    return PyFrame_GetLasti(f);
-#else
-    return f->f_lasti < 0 ? -1 : f->f_lasti * (int)sizeof(_Py_CODEUNIT);
-#endif
-}
-
-/* The warm path of __enter__. self, frame: borrowed. Returns 1 armed (self's fields set),
-   0 not warm (nothing changed, no error), -1 with an error set. */
-static int tracer_enter_warm(PyObject *self, PyFrameObject *f) {
-    int result = 0, contains;
-    PyObject *cid = NULL, *lasti = NULL, *ckey = NULL, *key = NULL, *entry, *block = NULL;
-    PyObject *passonly = NULL, *plan = NULL, *args = NULL, *parent = NULL, *stack = NULL;
-    PyObject *handle = NULL, *item = NULL;
-    long a[4];
-    PyCodeObject *code = PyFrame_GetCode(f);          /* new reference */
-    cid = PyLong_FromVoidPtr(code);                   /* id(code); the frame keeps code alive */
-    Py_DECREF(code);
-    if (cid == NULL) return -1;
-    contains = PySet_Contains(tr_enter_ids, cid);     /* a subclass's __enter__ frame */
-    if (contains != 0) { result = contains < 0 ? -1 : 0; goto done; }
-    if ((lasti = PyLong_FromLong(frame_lasti_bytes(f))) == NULL) goto error;
-    if ((ckey = PyObject_GetAttr(self, s_capture_key)) == NULL) goto error;
-    if ((key = PyTuple_Pack(3, cid, lasti, ckey)) == NULL) goto error;
-    entry = PyDict_GetItemWithError(tr_blocks, key);  /* borrowed */
-    if (entry == NULL) { if (PyErr_Occurred()) goto error; goto done; }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 2) goto done;
-    block = PyTuple_GET_ITEM(entry, 1);
-    if ((PyObject *)Py_TYPE(block) != tr_block_type) { block = NULL; goto done; }
-    Py_INCREF(block);                                 /* ours: BLOCKS may change meanwhile */
-    if ((passonly = PyObject_GetAttr(block, s_passonly)) == NULL) goto error;
-    if (passonly != Py_False) goto done;              /* pass-only (or odd): Python's path */
-    if ((plan = PyObject_GetAttr(block, s_skip_plan)) == NULL) goto error;
-    if ((PyObject *)Py_TYPE(plan) != tr_plan_type) goto done;  /* None or a refusal */
-    args = PyObject_GetAttr(plan, s_arm_args);        /* cached in its __dict__ by skip.arm */
-    if (args == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
-        PyErr_Clear();
-        goto done;
+/* Enter a registered site: set the per-run fields, arm last. t: borrowed; f: borrowed, the
+   user's frame; s: a copy of the site whose `block` is the Block itself (not the weak
+   reference) and whose block/plan the caller holds references to.
+   Returns 0, -1 with an error set (fields left unset). */
+static int enter_warm(TracerBaseObject *t, PyFrameObject *f, Site *s) {
+    PyObject *parent = NULL, *handle = NULL;
+    if (PyContextVar_Get(tr_current, NULL, &parent) < 0) return -1;   /* parent: new ref or NULL */
+    if (parent == Py_None) Py_CLEAR(parent);
+    if (s->plan != NULL) {
+        handle = ilc_arm((PyObject *)f, s->lo, s->hi, s->exit_unit, s->mode);
+        if (handle == NULL) { Py_XDECREF(parent); return -1; }
     }
-    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 4) goto done;
-    for (int k = 0; k < 4; k++) {
-        a[k] = PyLong_AsLong(PyTuple_GET_ITEM(args, k));
-        if (a[k] == -1 && PyErr_Occurred()) goto error;
-    }
-    stack = PyObject_GetAttr(tr_local, s_stack);      /* this thread's armed (plan, handle) */
-    if (stack == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto error;
-        PyErr_Clear();
-        goto done;                                    /* first trace on this thread */
-    }
-    if (!PyList_CheckExact(stack)) goto done;
-    if (PyContextVar_Get(tr_current, NULL, &parent) < 0) goto error;  /* parent: new ref */
-    if (parent == NULL) { parent = Py_None; Py_INCREF(parent); }
-    /* the same order as the Python method: fields, then arm last (no Python code runs
-       between arming and the body start) */
-    if (PyObject_SetAttr(self, s_block, block) < 0) goto error;
-    if (PyObject_SetAttr(self, s_parent, parent) < 0) goto error;
-    if (PyObject_SetAttr(self, s_frame, (PyObject *)f) < 0) goto error;
-    if (PyObject_SetAttr(self, s_plan, plan) < 0) goto error;
-    if ((item = PyTuple_New(2)) == NULL) goto error;
-    if ((handle = ilc_arm((PyObject *)f, (int)a[0], (int)a[1], (int)a[2], (int)a[3])) == NULL) goto error;
-    Py_INCREF(plan);
-    PyTuple_SET_ITEM(item, 0, plan);
-    PyTuple_SET_ITEM(item, 1, handle);                /* steals handle */
-    handle = NULL;
-    if (PyList_Append(stack, item) < 0) goto error;
-    result = 1;
-    goto done;
-error:
-    result = -1;
-done:
-    Py_XDECREF(cid); Py_XDECREF(lasti); Py_XDECREF(ckey); Py_XDECREF(key);
-    Py_XDECREF(passonly); Py_XDECREF(plan); Py_XDECREF(args); Py_XDECREF(stack);
-    Py_XDECREF(parent); Py_XDECREF(handle); Py_XDECREF(item); Py_XDECREF(block);
-    return result;
+    /* No Python code runs between arming and the body start: the old values (normally
+       NULL; the previous run's Block) are released after the fields are set, and
+       releasing them runs no code in the armed frame. */
+    PyObject *old[5] = {t->block, t->frame, t->plan, t->parent, t->armed};
+    Py_INCREF(s->block); t->block = s->block;
+    Py_INCREF(f); t->frame = (PyObject *)f;
+    Py_XINCREF(s->plan); t->plan = s->plan;
+    t->parent = parent;
+    t->armed = handle;
+    for (int k = 0; k < 5; k++) Py_XDECREF(old[k]);
+    n_warm++;
+    return 0;
 }
 
 /* __enter__(self). self: borrowed. Returns a new reference to self (or what the Python
    method returns), NULL with an error set (its traceback cleaned). */
 static PyObject *tracer_enter(PyObject *self, PyObject *unused) {
-    PyFrameObject *f = PyEval_GetFrame();             /* borrowed: the caller's frame */
-    if (f != NULL) {
-        int warm = tracer_enter_warm(self, f);
-        if (warm < 0) return clean_pending();
-        if (warm == 1) { Py_INCREF(self); return self; }
+    TracerBaseObject *t = TB(self);
+    PyFrameObject *f = user_frame(PyEval_GetFrame());  /* new reference or NULL */
+    if (f != NULL && t->armed == NULL) {
+        CodeSites *cs = code_sites(frame_code(f));
+        Site *found = cs != NULL ? find_site(cs, frame_lasti_bytes(f), (PyObject *)Py_TYPE(self)) : NULL;
+        PyObject *block = found != NULL ? deref(found->block) : NULL;  /* NULL: its Block went */
+        if (block != NULL) {
+            Site s = *found;                           /* ours: registering may move it */
+            s.block = block;                           /* the Block itself, our reference */
+            Py_XINCREF(s.plan);
+            int r = enter_warm(t, f, &s);
+            Py_DECREF(s.block);
+            Py_XDECREF(s.plan);
+            Py_DECREF(f);
+            if (r < 0) return clean_pending(Py_None);
+            return Py_NewRef(self);
+        }
     }
     PyObject *argv[2] = {self, f != NULL ? (PyObject *)f : Py_None};
     PyObject *res = PyObject_Vectorcall(tr_enter, argv, 2, NULL);
-    return res != NULL ? res : clean_pending();
+    Py_XDECREF(f);
+    return res != NULL ? res : clean_pending(Py_None);
 }
 
-/* After a clean skip: run the backend; clear the per-run fields. self: borrowed. Returns
-   a new reference to True, or NULL with the backend's error set, its traceback cleaned. */
-static PyObject *tracer_finish(PyObject *self) {
-    PyObject *backend = PyObject_GetAttr(self, s_backend);
-    PyObject *r = backend != NULL ? PyObject_CallOneArg(backend, self) : NULL;
-    Py_XDECREF(backend);
-    if (r == NULL) clean_pending();
+/* After a clean skip: run the backend; clear the per-run fields. self: borrowed; signal:
+   borrowed, our skip signal being handled (raise mode) or None. Returns a new reference to
+   True, or NULL with the backend's error set, its traceback cleaned. */
+static PyObject *tracer_finish(PyObject *self, PyObject *signal) {
+    TracerBaseObject *t = TB(self);
+    PyObject *backend = t->backend != NULL ? t->backend : Py_None;
+    Py_INCREF(backend);                                /* the backend may replace it */
+    /* backend(self): a Python `__call__` of its class is called as __call__(backend, self)
+       directly (what the call does, without a bound method and an argument tuple). */
+    PyObject *call = _PyType_Lookup(Py_TYPE(backend), s_dunder_call);   /* borrowed */
+    PyObject *r;
+    if (call != NULL && PyFunction_Check(call)) {
+        Py_INCREF(call);
+        PyObject *argv[2] = {backend, self};
+        r = PyObject_Vectorcall(call, argv, 2, NULL);
+        Py_DECREF(call);
+    } else {
+        r = PyObject_CallOneArg(backend, self);
+    }
+    Py_DECREF(backend);
+    if (r == NULL) clean_pending(signal);
     Py_XDECREF(r);
-    PyObject *names[4] = {s_frame, s_plan, s_state, s_parent};
 #if PY_VERSION_HEX >= 0x030C0000
-    PyObject *error = PyErr_GetRaisedException();      /* keep it aside while clearing */
+    PyObject *error = PyErr_GetRaisedException();      /* kept aside while clearing */
 #else
     PyObject *et, *error, *etb;
     PyErr_Fetch(&et, &error, &etb);
 #endif
-    for (int k = 0; k < 4; k++)
-        if (PyObject_SetAttr(self, names[k], Py_None) < 0) PyErr_Clear();
+    PyObject *old[4] = {t->frame, t->plan, t->state, t->parent};
+    t->frame = t->plan = t->state = t->parent = NULL;
+    for (int k = 0; k < 4; k++) Py_XDECREF(old[k]);
 #if PY_VERSION_HEX >= 0x030C0000
     if (error != NULL) { PyErr_SetRaisedException(error); return NULL; }
 #else
@@ -560,51 +974,40 @@ static PyObject *tracer_finish(PyObject *self) {
 }
 
 /* __exit__(self, exc_type, exc, tb). self, args: borrowed. Returns a new reference, NULL
-   with an error set (its traceback cleaned). A clean warm exit disarms here and runs the
-   backend; otherwise the Python method (told whether the skip fired) does. */
+   with an error set (its traceback cleaned). A clean exit (or our skip signal) of an armed
+   run disarms here and runs the backend, as does the clean exit of a body that ran inline;
+   otherwise the Python method (told whether the skip fired) does. */
 static PyObject *tracer_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *fired = NULL;
-    if (nargs == 3 && args[0] == Py_None) {
-        PyObject *plan = PyObject_GetAttr(self, s_plan);
-        if (plan == NULL) return clean_pending();
-        if (plan != Py_None) {
-            PyObject *stack = PyObject_GetAttr(tr_local, s_stack);
-            if (stack == NULL) {
-                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { Py_DECREF(plan); return clean_pending(); }
-                PyErr_Clear();
-            } else {
-                Py_ssize_t n = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : 0;
-                PyObject *top = n > 0 ? PyList_GET_ITEM(stack, n - 1) : NULL;
-                if (top != NULL && PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) == 2
-                        && PyTuple_GET_ITEM(top, 0) == plan) {
-                    PyObject *handle = PyTuple_GET_ITEM(top, 1);
-                    Py_INCREF(handle);
-                    int popped = PyList_SetSlice(stack, n - 1, n, NULL);   /* stack.pop() */
-                    int r = popped < 0 ? -1 : ilc_disarm(handle);
-                    Py_DECREF(handle);
-                    if (r < 0) { Py_DECREF(stack); Py_DECREF(plan); return clean_pending(); }
-                    fired = r ? Py_True : Py_False;
-                }
-                Py_DECREF(stack);
-            }
-        }
-        Py_DECREF(plan);
-    }
-    if (fired == Py_True) return tracer_finish(self);
-    PyObject *res;
-    if (fired != NULL) {
-        PyObject *argv[5] = {self, Py_None, Py_None, Py_None, fired};
-        res = PyObject_Vectorcall(tr_exit, argv, 5, NULL);
-    } else if (nargs != 3) {
+    if (nargs != 3) {
         PyErr_Format(PyExc_TypeError, "__exit__() takes exactly 3 arguments (%zd given)", nargs);
         return NULL;
+    }
+    TracerBaseObject *t = TB(self);
+    PyObject *et = args[0], *fired = NULL;
+    int clean = et == Py_None;
+    int signal = !clean && t->armed != NULL && PyType_Check(et)
+                 && PyType_IsSubtype((PyTypeObject *)et, (PyTypeObject *)SkipSignal);
+    if ((clean || signal) && t->armed != NULL) {
+        PyObject *handle = t->armed;                   /* the field's reference is ours now */
+        t->armed = NULL;
+        int r = ilc_disarm(handle);
+        Py_DECREF(handle);
+        if (r < 0) return clean_pending(Py_None);
+        if (r == 1) return tracer_finish(self, signal ? args[1] : Py_None);
+        fired = Py_False;                              /* the policy reports it */
+    } else if (clean && t->armed == NULL && t->plan == NULL && t->frame != NULL) {
+        return tracer_finish(self, Py_None);           /* a body that ran inline */
+    }
+    PyObject *res;
+    if (fired != NULL) {
+        PyObject *argv[5] = {self, args[0], args[1], args[2], fired};
+        res = PyObject_Vectorcall(tr_exit, argv, 5, NULL);
     } else {
         PyObject *argv[4] = {self, args[0], args[1], args[2]};
         res = PyObject_Vectorcall(tr_exit, argv, 4, NULL);
     }
-    return res != NULL ? res : clean_pending();
+    return res != NULL ? res : clean_pending(Py_None);
 }
-
 /* ---- async with: __aenter__/__aexit__ do the work at once and return a done awaitable ---- *
  * `await` on a Ready gives its value without suspending the coroutine, so the skip armed
  * by __aenter__ (before the await loop of BEFORE_ASYNC_WITH runs) is still armed at the
@@ -702,32 +1105,26 @@ static PyMethodDef tracer_aexit_def = {"__aexit__", (PyCFunction)(void (*)(void)
     "__exit__ for `async with`: returns a done awaitable."};
 
 PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
-                             PyObject *blocks,
-                             PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
-                             PyObject *local, PyObject *current) {
-    if (!PyType_Check(type) || !PyDict_CheckExact(blocks) || !PyType_Check(block_type)
-            || !PyType_Check(plan_type) || !PyAnySet_CheckExact(enter_ids)
-            || !PyContextVar_CheckExact(current) || !PyCallable_Check(clean)) {
+                             PyObject *current, PyObject *default_backend) {
+    if (TracerBaseType == NULL || !PyType_Check(type)
+            || !PyType_IsSubtype((PyTypeObject *)type, TracerBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "tracer_methods(): the class must derive from TracerBase");
+        return NULL;
+    }
+    if (!PyContextVar_CheckExact(current) || !PyCallable_Check(clean)
+            || !PyCallable_Check(enter) || !PyCallable_Check(exit_)) {
         PyErr_SetString(PyExc_TypeError, "tracer_methods(): unexpected argument types");
         return NULL;
     }
     if (PyType_Ready(&ReadyType) < 0) return NULL;
-#define INTERN(var, text) if (var == NULL && (var = PyUnicode_InternFromString(text)) == NULL) return NULL
-    INTERN(s_capture_key, "_capture_key"); INTERN(s_passonly, "passonly");
-    INTERN(s_skip_plan, "skip_plan"); INTERN(s_arm_args, "_arm_args"); INTERN(s_block, "block");
-    INTERN(s_parent, "_parent"); INTERN(s_frame, "_frame"); INTERN(s_plan, "_plan");
-    INTERN(s_stack, "stack"); INTERN(s_state, "_state"); INTERN(s_backend, "backend");
-    INTERN(s_dunder_enter, "__enter__"); INTERN(s_dunder_exit, "__exit__");
-#undef INTERN
+    if (s_dunder_enter == NULL && (s_dunder_enter = PyUnicode_InternFromString("__enter__")) == NULL) return NULL;
+    if (s_dunder_exit == NULL && (s_dunder_exit = PyUnicode_InternFromString("__exit__")) == NULL) return NULL;
+    if (s_dunder_call == NULL && (s_dunder_call = PyUnicode_InternFromString("__call__")) == NULL) return NULL;
     Py_INCREF(enter); Py_XSETREF(tr_enter, enter);
     Py_INCREF(exit_); Py_XSETREF(tr_exit, exit_);
     Py_INCREF(clean); Py_XSETREF(tr_clean, clean);
-    Py_INCREF(blocks); Py_XSETREF(tr_blocks, blocks);
-    Py_INCREF(block_type); Py_XSETREF(tr_block_type, block_type);
-    Py_INCREF(plan_type); Py_XSETREF(tr_plan_type, plan_type);
-    Py_INCREF(enter_ids); Py_XSETREF(tr_enter_ids, enter_ids);
-    Py_INCREF(local); Py_XSETREF(tr_local, local);
     Py_INCREF(current); Py_XSETREF(tr_current, current);
+    Py_INCREF(default_backend); Py_XSETREF(tr_default_backend, default_backend);
     PyMethodDef *defs[4] = {&tracer_enter_def, &tracer_exit_def, &tracer_aenter_def, &tracer_aexit_def};
     PyObject *out = PyTuple_New(4);
     if (out == NULL) return NULL;

@@ -6,12 +6,17 @@
 #define ILC_JUMP 0
 #define ILC_RAISE_LINE 1
 #define ILC_RAISE_INSTRUCTION 2
+/* A flag of arm's mode: the body start shares a line (3.10/3.11 then use opcode events). */
+#define ILC_OPCODE_EVENTS 4
 
 /* skip_signal: borrowed, kept alive by the module. Returns 0, or -1 with an error set. */
 int ilc_init(PyObject *skip_signal);
-/* frame: borrowed. Returns a NEW reference to an armed handle, or NULL with an error set. */
+/* frame: borrowed. mode: ILC_JUMP or a raise mode, | ILC_OPCODE_EVENTS when the body start
+   shares the with's line. Pushes a handle on this thread's armed stack. Returns a NEW reference to
+   the armed handle, or NULL with an error set. */
 PyObject *ilc_arm(PyObject *frame, int lo, int hi, int exit_unit, int mode);
-/* handle: borrowed. Returns 1 if the skip fired, 0 if not, -1 with an error set. */
+/* handle: borrowed. Takes it off the armed stack (idempotent). Returns 1 if the skip fired,
+   0 if not, -1 with an error set. */
 int ilc_disarm(PyObject *handle);
 /* 3.12+ monitoring event in the current frame. Returns 1 jumped, 0 no armed frame here,
    -1 error set (the skip signal in raise mode). */
@@ -31,16 +36,36 @@ int ilc_redirect(PyObject *code, int unit, int delta);
    STORE_FAST_LOAD_FAST) reads is unbound. Returns 0 (bound, or nothing to check), -1 with
    the error set. A no-op before 3.13. */
 int ilc_guard(PyObject *code, int unit);
-/* Number of live armed handles (for leak tests). */
+/* Armed handles on any thread's armed stack (for leak tests). */
 Py_ssize_t ilc_armed_count(void);
-/* All borrowed (kept as strong references by the module). Returns a NEW reference to a
-   tuple (__enter__, __exit__, __aenter__, __aexit__) of C method descriptors for `type`: the
-   warm path of Tracer.__enter__/__exit__, calling `enter(self, frame)` /
-   `exit(self, t, v, tb[, fired])` for everything else, and `clean(error, None)` on every
-   error that leaves them (it drops interlace's frames from the traceback); __aenter__ and
-   __aexit__ call __enter__/__exit__ and return a done awaitable. NULL with an error set. */
+/* Tracer entries the C warm path served since import. */
+Py_ssize_t ilc_warm_entries(void);
+
+/* All borrowed; the record keeps new references to kind, block and plan (None: the body
+   runs inline, the arm arguments are then unused). Records the site of the with at byte
+   offset `lasti` of `code` for tracers of type `kind`, replacing an earlier record.
+   Returns 0, -1 with an error set. */
+int ilc_register_site(PyObject *code, int lasti, PyObject *kind, PyObject *block, PyObject *plan,
+                      int lo, int hi, int exit_unit, int mode);
+/* code: borrowed. Marks `code` as a tracer's own __enter__: its frames are walked past when
+   looking for the user's frame. Returns 0, -1 with an error set. */
+int ilc_look_past(PyObject *code);
+/* code, kind: borrowed. Returns a NEW reference to (block, plan, (lo, hi, exit, mode)) or
+   (block, None, None) for a registered site, None if none, NULL with an error set. */
+PyObject *ilc_site(PyObject *code, int lasti, PyObject *kind);
+/* frame: borrowed. Returns a NEW reference to the first frame from `frame` outwards whose
+   code is not marked by ilc_look_past (None if none), NULL with an error set. */
+PyObject *ilc_user_frame(PyObject *frame);
+/* Returns a NEW reference to the TracerBase type (made once), NULL with an error set. */
+PyObject *ilc_tracer_base(void);
+/* type (a TracerBase subclass), enter, exit_, clean, current (the trace-state ContextVar),
+   default_backend (what TracerBase.__init__ stores for backend=None): borrowed, kept as
+   strong references by the module. Returns a NEW reference to a tuple
+   (__enter__, __exit__, __aenter__, __aexit__) of C method descriptors for `type`: the warm
+   path of Tracer.__enter__/__exit__, calling `enter(self, frame)` / `exit(self, t, v, tb[,
+   fired])` for everything else, and `clean(error, signal)` on every error that leaves them
+   (it drops interlace's frames from the traceback); __aenter__ and __aexit__ call
+   __enter__/__exit__ and return a done awaitable. NULL with an error set. */
 PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
-                             PyObject *blocks,
-                             PyObject *block_type, PyObject *plan_type, PyObject *enter_ids,
-                             PyObject *local, PyObject *current);
+                             PyObject *current, PyObject *default_backend);
 #endif

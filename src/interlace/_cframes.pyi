@@ -11,18 +11,64 @@ COMPILED: Final[bool]
 JUMP: Final[int]                # move the frame to the verified normal exit
 RAISE_LINE: Final[int]          # raise SkipSignal at the body start's line event
 RAISE_INSTRUCTION: Final[int]   # raise SkipSignal at the body start's instruction event (3.12+)
+OPCODE_EVENTS: Final[int]       # flag for arm's mode: the body start shares the with's line, so
+                                # 3.10/3.11 catch it by its opcode event (no line event fires)
 
 class SkipSignal(BaseException):
     """Raised at a body start in raise mode; suppressed by the tracer's __exit__."""
 
+class TracerBase:
+    """The Tracer's fields and __init__. Compiled: C fields the warm __enter__/__exit__ read
+    and write by offset (never by attribute name), exposed under these names; unset reads as
+    None, and assigning None unsets; __init__ is C too. The twin: plain attributes."""
+
+    args: tuple       # the positional arguments the tracer was made with
+    kwargs: dict      # the keyword arguments but `backend`
+    block: Any        # the captured Block (kept after the run)
+    backend: Any      # called with the tracer after a clean skip
+    _frame: Any       # the caller's frame while the trace runs
+    _plan: Any        # its SkipPlan (None: the body runs inline)
+    _parent: Any      # the enclosing trace's state, read at __enter__
+    _state: Any       # this trace's TraceState, made when the body first runs
+    _armed: Any       # the armed skip from __enter__ until __exit__ disarms it
+
+    def __init__(self, *args: Any, backend: Any = None, **kwargs: Any) -> None:
+        """Keep `args`/`kwargs` for subclasses; `backend=None` means the default backend
+        (`tracer_methods`' `default_backend`)."""
+
 def arm(frame: FrameType, lo: int, hi: int, exit_unit: int, mode: int) -> Any:
-    """Arm a skip of `frame` at body code units lo..hi; returns the handle for `disarm`.
+    """Arm a skip of `frame` at body code units lo..hi; returns the handle for `disarm`,
+    which sits on this thread's armed stack until then.
 
     3.10/3.11: installs a one-shot C trace function chained to the thread's previous one.
-    3.12+: records the frame for the sys.monitoring callbacks."""
+    3.12+: the sys.monitoring callbacks find the frame's handle on the thread's stack."""
 
 def disarm(handle: Any) -> bool:
-    """Undo `arm` (restoring any chained tracer exactly); True if the skip fired."""
+    """Undo `arm` (restoring any chained tracer exactly; idempotent); True if the skip fired."""
+
+def register_site(
+    code: CodeType, lasti: int, kind: type, block: Any, plan: Any, arm_args: tuple | None = ...
+) -> None:
+    """Record what the policy decided for the with at byte offset `lasti` of `code`, for
+    tracers of type `kind`: its Block, its SkipPlan and `arm_args` (lo, hi, exit, mode), or
+    plan None for a body that runs inline. Kept on the code object (compiled: its co_extra),
+    so it goes with it; the Block and the type are held weakly (a record whose Block went is
+    a miss). The compiled Tracer.__enter__ serves a registered site without Python."""
+
+def site(code: CodeType, lasti: int, kind: type) -> tuple | None:
+    """The record `register_site` made, (block, plan, arm_args), or None (none, or its Block
+    went)."""
+
+def look_past(code: CodeType) -> None:
+    """Mark `code` as a tracer's own __enter__ (a subclass's calling super().__enter__()):
+    `user_frame` and the warm path walk past its frames to the user's."""
+
+def user_frame(frame: FrameType) -> FrameType | None:
+    """`frame`, or its first caller whose code `look_past` did not mark."""
+
+def warm_entries() -> int:
+    """Tracer entries the compiled warm path served since import (0 on the twin, which has
+    none: its Python __enter__ reads the same records)."""
 
 def prepare(
     code: CodeType,
@@ -55,23 +101,22 @@ def tracer_methods(
     aenter: Any,
     aexit: Any,
     clean: Any,
-    blocks: dict,
-    block_type: type,
-    plan_type: type,
-    enter_code_ids: set,
-    local: Any,
     current: Any,
+    default_backend: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    """(__enter__, __exit__, __aenter__, __aexit__) for the Tracer class: C methods doing a
-    warm site's lookup, arm, disarm and backend call, calling the Python
-    `enter(self, frame)` / `exit(self, t, v, tb, fired)` for everything else (a miss,
-    pass-only bodies, subclass __enter__ chains, exceptions). Every error leaving them is
-    passed to `clean(error, None)` first, which drops interlace's frames from its traceback;
-    they add none of their own. The C __aenter__/__aexit__ call __enter__/__exit__ and
-    return a done awaitable. The twin returns `enter`, `exit`, `aenter`, `aexit` unchanged."""
+    """(__enter__, __exit__, __aenter__, __aexit__) for the Tracer class (a TracerBase): C
+    methods that serve a registered site (set the per-run fields, arm, disarm, call the
+    backend), calling the Python `enter(self, frame)` / `exit(self, t, v, tb, fired)` for
+    everything else (a site not registered for this type, exceptions other than the skip
+    signal, a skip that did not fire). `current` is the trace-state ContextVar (its value
+    becomes `_parent`); `default_backend` is what TracerBase.__init__ stores for
+    `backend=None` (on the twin too). Every error leaving them is passed to `clean(error, signal)` first,
+    which drops interlace's frames from its traceback; they add none of their own. The C
+    __aenter__/__aexit__ call __enter__/__exit__ and return a done awaitable. The twin
+    returns `enter`, `exit`, `aenter`, `aexit` unchanged."""
 
 def armed_count() -> int:
-    """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11)."""
+    """Armed handles not yet disarmed, on any thread."""
 
 class FastSkip:
     """A skip-only context manager in C for warm sites: `plans` maps (id(code), f_lasti)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 from . import versions as V
 
@@ -28,6 +29,7 @@ COMPILED = False
 JUMP = 0
 RAISE_LINE = 1
 RAISE_INSTRUCTION = 2
+OPCODE_EVENTS = 4   # a flag of arm's mode: the body start shares the with's line
 
 
 class SkipSignal(BaseException):
@@ -38,8 +40,38 @@ class SkipSignal(BaseException):
     """
 
 
+class TracerBase:
+    """The Tracer's fields and __init__ (C fields and a C __init__ in the compiled module;
+    plain attributes here, None until set)."""
+
+    args = None       # the positional arguments the tracer was made with
+    kwargs = None     # the keyword arguments but `backend`
+    block = None      # the captured Block (kept after the run)
+    backend = None    # called with the tracer after a clean skip
+    _frame = None     # the caller's frame while the trace runs
+    _plan = None      # its SkipPlan (None: the body runs inline)
+    _parent = None    # the enclosing trace's state, read at __enter__
+    _state = None     # this trace's TraceState, made when the body first runs
+    _armed = None     # the armed skip from __enter__ until __exit__ disarms it
+
+    def __init__(self, *args, backend=None, **kwargs):
+        self.args = args
+        self.kwargs = kwargs
+        self.backend = _default_backend[0] if backend is None else backend
+
+    def __del__(self):
+        # A tracer that goes while armed (its __enter__ armed, then raised) disarms first.
+        armed = self.__dict__.get("_armed")
+        if armed is not None:
+            self._armed = None
+            _abandon(armed)
+
+
+_default_backend = [None]  # what __init__ stores for backend=None (set by tracer_methods)
+
+
 class _Armed:
-    __slots__ = ("frame", "lo", "hi", "mode", "fired", "prev_global", "prev_local", "live")
+    __slots__ = ("frame", "lo", "hi", "mode", "fired", "prev_global", "prev_local", "live", "stacked")
 
     def __init__(self, frame, lo, hi, mode):
         self.frame = frame
@@ -48,13 +80,52 @@ class _Armed:
         self.mode = mode
         self.fired = False
         self.live = True
+        self.stacked = True
 
 
 _lock = threading.Lock()
 _armed: dict = {}          # frame -> list of _Armed (3.12+ twin)
-_starts: dict = {}         # id(code) -> (code, set(lines), set(units))
+_stacked = [0]             # armed handles not yet disarmed, all threads
+# id(code) -> (weak reference to code, set(lines), set(units)); an entry goes with its code.
+_starts: dict = {}
+# id(code) -> (weak reference to code, {(lasti, id(tracer type)): (weak reference to the type,
+# weak reference to the block, plan, arm_args)}): the twin's warm-site records (the compiled
+# module keeps them on the code object). Weak, as there: a record must not keep the Block
+# (whose body functions hold the globals that hold the code) or the type alive.
+_sites: dict = {}
+_look_past: dict = {}      # id(code) -> weak reference to a tracer's own __enter__ code
 
-if hasattr(sys, "monitoring"):
+
+def _code_entry(table, code, make):
+    """`table`'s entry for `code` (a (weak ref, value) pair that goes with the code), made by
+    `make()` if missing."""
+    key = id(code)
+    entry = table.get(key)
+    if entry is None or entry[0]() is not code:
+        if make is None:
+            return None
+
+        def drop(ref, key=key):
+            if table.get(key, (None,))[0] is ref:
+                del table[key]
+
+        entry = table[key] = (weakref.ref(code, drop), make())
+    return entry
+
+
+def _push(rec):
+    with _lock:
+        _stacked[0] += 1
+
+
+def _pop(rec):
+    if rec.stacked:
+        rec.stacked = False
+        with _lock:
+            _stacked[0] -= 1
+
+
+if V.HAS_MONITORING:
     _mon = sys.monitoring
     _tool = None
 
@@ -91,15 +162,15 @@ if hasattr(sys, "monitoring"):
 
     def _on_line(code, line):
         frame = sys._getframe(1)
-        entry = _starts.get(id(code))
-        if entry is None or line not in entry[1]:
+        entry = _code_entry(_starts, code, None)
+        if entry is None or line not in entry[1][0]:
             return _mon.DISABLE
         _fire(frame, frame.f_lasti // 2)
         return None
 
     def _on_instruction(code, offset):
-        entry = _starts.get(id(code))
-        if entry is None or offset // 2 not in entry[2]:
+        entry = _code_entry(_starts, code, None)
+        if entry is None or offset // 2 not in entry[1][1]:
             return _mon.DISABLE
         _fire(sys._getframe(1), offset // 2)
         return None
@@ -111,13 +182,11 @@ if hasattr(sys, "monitoring"):
             raise NotImplementedError("the pure-Python twin does not guard fused reads")
         tool = _tool_id()
         with _lock:
-            entry = _starts.get(id(code))
-            if entry is None or entry[0] is not code:
-                entry = _starts[id(code)] = (code, set(), set())
-            entry[1].update(lines)
-            entry[2].update(instruction_units)
+            entry = _code_entry(_starts, code, lambda: (set(), set()))[1]
+            entry[0].update(lines)
+            entry[1].update(instruction_units)
             events = _mon.events.LINE
-            if entry[2]:
+            if entry[1]:
                 events |= _mon.events.INSTRUCTION
             if _mon.get_local_events(tool, code) != events:
                 _mon.set_local_events(tool, code, events)
@@ -126,11 +195,17 @@ if hasattr(sys, "monitoring"):
         """Arm a skip of `frame` at units lo..hi; the twin always raises."""
         rec = _Armed(frame, lo, hi, mode)
         _armed.setdefault(frame, []).append(rec)
+        _push(rec)
         return rec
+
+    def _abandon(rec):
+        """Disarm `rec` whenever its tracer goes (nothing else to put back here)."""
+        disarm(rec)
 
     def disarm(rec):
         """Forget `rec`; True if its skip fired."""
         rec.live = False
+        _pop(rec)
         records = _armed.get(rec.frame)
         if records is not None:
             try:
@@ -182,32 +257,88 @@ else:  # 3.10 / 3.11: a chained Python trace function
         frame.f_trace = _LocalTrace(rec)
         if rec.prev_global is None:
             sys.settrace(_no_global)
+        _push(rec)
         return rec
 
     def _restore(rec):
         sys.settrace(rec.prev_global)
         rec.frame.f_trace = rec.prev_local
 
+    def _abandon(rec):
+        """Disarm `rec` whenever its tracer goes: put back only what is still ours (the
+        program may have set other tracers since)."""
+        if rec.live:
+            rec.live = False
+            if rec.prev_global is None and sys.gettrace() is _no_global:
+                sys.settrace(None)
+            local = rec.frame.f_trace
+            if type(local) is _LocalTrace and local.rec is rec:
+                rec.frame.f_trace = rec.prev_local
+        _pop(rec)
+
     def disarm(rec):
         """Put back the tracers that were there before `arm`; True if the skip fired."""
         was_live = rec.live
         rec.live = False
-        if was_live or rec.fired:
+        if was_live or (rec.fired and rec.stacked):
             _restore(rec)
+        _pop(rec)
         return rec.fired
 
 
 def armed_count():
-    """Armed handles not yet disarmed (3.12+; 0 on 3.10/3.11, whose trace function is the record)."""
-    return sum(len(records) for records in list(_armed.values()))
+    """Armed handles not yet disarmed, on any thread. For leak tests."""
+    return _stacked[0]
 
 
-def tracer_methods(cls, enter, exit, aenter, aexit, clean, blocks, block_type, plan_type,
-                   enter_code_ids, local, current):
+def warm_entries():
+    """Tracer entries the compiled warm path served: the twin has none, so 0."""
+    return 0
+
+
+def register_site(code, lasti, kind, block, plan, arm_args=None):
+    """Record what the policy decided for the with at `lasti` of `code`, for tracers of type
+    `kind`: its Block, its SkipPlan and `arm_args`, or plan None for a body that runs inline.
+    Goes when the code object goes."""
+    record = (weakref.ref(kind), weakref.ref(block), plan, None if plan is None else tuple(arm_args))
+    with _lock:
+        sites = _code_entry(_sites, code, dict)[1]
+        for key in [key for key, old in sites.items() if old[0]() is None or old[1]() is None]:
+            del sites[key]  # records whose type or Block went
+        sites[(lasti, id(kind))] = record
+
+
+def site(code, lasti, kind):
+    """The record `register_site` made: (block, plan, arm_args), or None (none, or its Block
+    went)."""
+    entry = _code_entry(_sites, code, None)
+    record = None if entry is None else entry[1].get((lasti, id(kind)))
+    if record is None or record[0]() is not kind:
+        return None
+    block = record[1]()
+    return None if block is None else (block, record[2], record[3])
+
+
+def look_past(code):
+    """Mark `code` as a tracer's own __enter__: `user_frame` walks past its frames."""
+    with _lock:
+        _code_entry(_look_past, code, lambda: True)
+
+
+def user_frame(frame):
+    """`frame`, or its first caller whose code `look_past` did not mark."""
+    while frame is not None and _code_entry(_look_past, frame.f_code, None) is not None:
+        frame = frame.f_back
+    return frame
+
+
+def tracer_methods(cls, enter, exit, aenter, aexit, clean, current, default_backend):
     """(__enter__, __exit__, __aenter__, __aexit__) for `cls`: the twin has no warm path of its
     own, so these are the Python methods themselves (the compiled module returns C methods
-    that shortcut a warm site, call `enter`/`exit` for the rest and leave no frame of theirs
-    in a traceback)."""
+    that serve a registered site, call `enter`/`exit` for the rest and leave no frame of
+    theirs in a traceback). `default_backend`: what TracerBase.__init__ stores for
+    `backend=None`."""
+    _default_backend[0] = default_backend
     return enter, exit, aenter, aexit
 
 
