@@ -48,8 +48,8 @@ bodies). See `interlace._pyframes`.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
+import weakref
 
 from .. import _native
 from ..errors import UnsupportedBlockError
@@ -62,35 +62,71 @@ _frames_arm = frames.arm
 _frames_disarm = frames.disarm
 
 
-@dataclasses.dataclass
 class SkipPlan:
-    """How to skip one with site (cached per code object and instruction)."""
+    """How to skip one with site: decided once per code object and instruction.
 
-    code: object
-    site: sites.Site
-    mode: int                 # frames.JUMP / RAISE_LINE / RAISE_INSTRUCTION
-    filename: str
-    lineno: int
+    A plain class rather than a dataclass (`dataclasses` would cost `import interlace` ms).
+    It holds no reference to its code object, so that a plan kept with the code (the warm
+    record `frames.register_site` makes) does not keep the code alive.
+    """
+
+    __slots__ = ("site", "mode", "filename", "lineno", "arm_args")
+
+    def __init__(self, site: sites.Site, mode: int, filename: str, lineno: int, same_line=False):
+        self.site = site
+        self.mode = mode              # frames.JUMP / RAISE_LINE / RAISE_INSTRUCTION
+        self.filename = filename
+        self.lineno = lineno
+        exit_unit = site.exit_unit if site.exit_unit is not None else -1
+        # Without sys.monitoring a body start that shares the with's line gets no line
+        # event: the one-shot trace function then asks for opcode events.
+        flags = frames.OPCODE_EVENTS if same_line and not V.HAS_MONITORING else 0
+        self.arm_args = (site.body_start, site.body_op_unit, exit_unit, mode | flags)  # for frames.arm
 
     @property
     def raises(self) -> bool:
         return self.mode != frames.JUMP
 
-    @property
-    def arm_args(self) -> tuple:
-        """(lo, hi, exit, mode) for frames.arm."""
-        args = self.__dict__.get("_arm_args")
-        if args is None:
-            site = self.site
-            exit_unit = site.exit_unit if site.exit_unit is not None else -1
-            args = self.__dict__["_arm_args"] = (site.body_start, site.body_op_unit, exit_unit, self.mode)
-        return args
+    def __repr__(self):
+        return f"<SkipPlan {self.filename}:{self.lineno} mode={self.mode} arm={self.arm_args}>"
 
 
-_PLANS: dict = {}            # (id(code), lasti) -> SkipPlan (holds the code: ids stay unique)
-_PATCHED: dict = {}          # id(code) -> (code, set of patched units)
+class _Refused:
+    """A cached refusal: the same error, fresh each time it is raised."""
+
+    __slots__ = ("error_type", "message")
+
+    def __init__(self, error: Exception):
+        self.error_type = type(error)
+        self.message = str(error)
+
+
+class _CodeFacts:
+    """What the skip decided and changed for one code object: its plans (and refusals) by
+    f_lasti, and the units it patched. Kept while the code object lives."""
+
+    __slots__ = ("ref", "plans", "patched")
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.plans = {}           # f_lasti -> SkipPlan | _Refused
+        self.patched = set()      # units rewritten (checked reads, redirects)
+
+
+_CODES: dict = {}            # id(code) -> _CodeFacts, dropped when the code object goes
 _LOCK = threading.RLock()
-_local = threading.local()
+
+
+def _facts(code) -> _CodeFacts:
+    key = id(code)
+    facts = _CODES.get(key)
+    if facts is None or facts.ref() is not code:
+        def drop(ref, key=key):
+            if getattr(_CODES.get(key), "ref", None) is ref:
+                del _CODES[key]
+
+        facts = _CODES[key] = _CodeFacts(weakref.ref(code, drop))
+    return facts
 
 
 def _where(block) -> str:
@@ -102,22 +138,25 @@ def _refuse(block, shape: str, instead: str):
 
 
 def plan(frame, block) -> SkipPlan:
-    """The SkipPlan of the with item that is calling __enter__ in `frame` (cached)."""
+    """The SkipPlan of the with item that is calling __enter__ in `frame` (cached per code
+    object and instruction, refusals too: a refused site raises the same error each time)."""
     code = frame.f_code
-    key = (id(code), frame.f_lasti)
-    cached = _PLANS.get(key)
-    if cached is not None and cached.code is code:
-        return cached
+    lasti = frame.f_lasti
     with _LOCK:
-        cached = _PLANS.get(key)
-        if cached is not None and cached.code is code:
-            return cached
-        made = _make_plan(frame, code, block)
-        _PLANS[key] = made
-        return made
+        facts = _facts(code)
+        made = facts.plans.get(lasti)
+        if made is None:
+            try:
+                made = _make_plan(frame, code, block, facts)
+            except UnsupportedBlockError as error:
+                made = _Refused(error)
+            facts.plans[lasti] = made
+    if made.__class__ is _Refused:
+        raise made.error_type(made.message)
+    return made
 
 
-def _make_plan(frame, code, block) -> SkipPlan:
+def _make_plan(frame, code, block, facts) -> SkipPlan:
     try:
         site = sites.analyse(code, frame.f_lasti)
     except LookupError:
@@ -142,7 +181,7 @@ def _make_plan(frame, code, block) -> SkipPlan:
         mode = frames.RAISE_LINE
         if V.HAS_MONITORING:
             frames.prepare(code, (site.body_start,), (), (site.body_line,))
-        return SkipPlan(code, site, mode, block.filename, block.lineno)
+        return SkipPlan(site, mode, block.filename, block.lineno)
 
     mode = frames.JUMP
     if site.exit_unit is None:
@@ -163,7 +202,7 @@ def _make_plan(frame, code, block) -> SkipPlan:
         plain, fused = sites.unchecked_reads(code, indices)
         redirects = _redirects(site, fused) if mode == frames.JUMP else None
         if redirects is not None:
-            _redirect(code, redirects)
+            _redirect(code, redirects, facts)
         elif fused:
             if first_is_try and mode == frames.JUMP:
                 # Raising at a `try`'s first statement would run its handlers, so this site
@@ -175,14 +214,14 @@ def _make_plan(frame, code, block) -> SkipPlan:
                         "checked", "Put a statement before the `try`.")
             else:
                 mode = frames.RAISE_LINE
-        _patch(code, plain)
+        _patch(code, plain, facts)
     if V.HAS_MONITORING:
         if site.line_start and not site.fused_binding:
             frames.prepare(code, (site.body_start,), (), (site.body_line,), _prev_unit(code, site), guards)
         else:
             mode = frames.RAISE_INSTRUCTION
             frames.prepare(code, (), (site.body_start,), (), _prev_unit(code, site), guards)
-    return SkipPlan(code, site, mode, block.filename, block.lineno)
+    return SkipPlan(site, mode, block.filename, block.lineno, same_line)
 
 
 def _redirects(site, fused) -> list | None:
@@ -195,20 +234,17 @@ def _redirects(site, fused) -> list | None:
     out = []
     for unit in fused:
         target = pairs.get(unit)
-        if target is None or not 0 <= target - (unit + 1) <= 255:
+        if target is None or not 0 <= target - (unit + 1) <= V.MAX_UNIT_JUMP:
             return None
         out.append((unit, target - (unit + 1)))
     return out
 
 
-def _redirect(code, redirects) -> None:
-    entry = _PATCHED.get(id(code))
-    if entry is None or entry[0] is not code:
-        entry = _PATCHED[id(code)] = (code, set())
+def _redirect(code, redirects, facts) -> None:
     for unit, delta in redirects:
-        if unit not in entry[1]:
+        if unit not in facts.patched:
             frames.redirect(code, unit, delta)
-            entry[1].add(unit)
+            facts.patched.add(unit)
 
 
 def _prev_unit(code, site) -> tuple:
@@ -228,58 +264,36 @@ def _body_stores(code, site) -> set:
         name = c.names[i]
         if name in ("STORE_FAST", "DELETE_FAST"):
             found.add(c.args[i])
-        elif name == "STORE_FAST_STORE_FAST":
-            found.update((c.args[i] >> 4, c.args[i] & 15))
-        elif name == "STORE_FAST_LOAD_FAST":
-            found.add(c.args[i] >> 4)
+        else:
+            found.update(index for op, index in V.fused_halves(name, c.args[i]) if op == "STORE_FAST")
     return found
 
 
-def _patch(code, reads) -> None:
+def _patch(code, reads, facts) -> None:
     """Turn the unchecked reads ((unit, previous unit) pairs) into LOAD_FAST_CHECK, once."""
-    entry = _PATCHED.get(id(code))
-    if entry is None or entry[0] is not code:
-        entry = _PATCHED[id(code)] = (code, set())
-    todo = sorted(r for r in set(reads) if r[0] not in entry[1])
+    todo = sorted(r for r in set(reads) if r[0] not in facts.patched)
     if todo:
         frames.patch_checks(code, tuple(u for u, _ in todo), tuple(p for _, p in todo))
-        entry[1].update(u for u, _ in todo)
+        facts.patched.update(u for u, _ in todo)
 
 
 def arm(frame, plan: SkipPlan):
-    """Arm the skip; call it last in Tracer.__enter__. Returns the armed handle."""
-    handle = _frames_arm(frame, *plan.arm_args)
-    try:
-        _local.stack.append((plan, handle))
-    except AttributeError:
-        _local.stack = [(plan, handle)]
-    return handle
+    """Arm the skip; call it last in Tracer.__enter__. Returns the handle for `disarm`
+    (it sits on this thread's armed stack until then)."""
+    return _frames_arm(frame, *plan.arm_args)
 
 
-def disarm(plan: SkipPlan) -> bool:
-    """Undo `arm` for the innermost armed use of `plan` on this thread; True if it skipped.
-
-    Tracer.__exit__ should call it first: a False with no exception means the body ran
-    inline (which must never happen), and disarming restores any tracer state at once.
-    """
-    stack = getattr(_local, "stack", None)
-    if not stack:
-        return False
-    if stack[-1][0] is plan:
-        return _frames_disarm(stack.pop()[1])
-    for k in range(len(stack) - 2, -1, -1):
-        if stack[k][0] is plan:
-            return _frames_disarm(stack.pop(k)[1])
-    return False
+def disarm(handle) -> bool:
+    """Undo `arm`; True if the body was skipped. Tracer.__exit__ calls it first: a False
+    with no exception means the body ran inline (which must never happen), and disarming
+    restores any tracer state at once."""
+    return _frames_disarm(handle)
 
 
-def suppresses(plan: SkipPlan, exc_type, exc) -> bool:
-    """True if `exc` is our own skip signal (the twin / raise mode): the body was skipped
-    cleanly and __exit__ must return True. Disarms the plan when it is."""
-    if exc_type is not None and issubclass(exc_type, SkipSignal):
-        disarm(plan)
-        return True
-    return False
+def suppresses(exc_type) -> bool:
+    """True if `exc_type` is our own skip signal (the twin / raise mode): the body was
+    skipped cleanly and __exit__ must return True."""
+    return exc_type is not None and issubclass(exc_type, SkipSignal)
 
 
 def write_back(frame, values: dict) -> None:
