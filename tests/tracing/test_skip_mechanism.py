@@ -40,16 +40,12 @@ class SkipOnly:
         )
         self.frame = frame
         self.plan = skip.plan(frame, block)
-        skip.arm(frame, self.plan)
+        self.handle = skip.arm(frame, self.plan)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            fired = skip.disarm(self.plan)
-        elif skip.suppresses(self.plan, exc_type, exc):
-            fired = True
-        else:
-            skip.disarm(self.plan)
+        fired = skip.disarm(self.handle)
+        if exc_type is not None and not skip.suppresses(exc_type):
             return False
         assert fired, "the body ran inline"
         skip.write_back(self.frame, self.values)
@@ -81,10 +77,15 @@ def test_plan_is_cached_per_code_object_and_instruction():
             h = 0
         return h
 
-    assert [f(), f()] == [1, 1]
-    assert plans[0] is plans[1]
-    assert plans[0].code is f.__code__
+    def g():
+        with Recording({"h": 2}):
+            h = 0
+        return h
+
+    assert [f(), f(), g()] == [1, 1, 2]
+    assert plans[0] is plans[1] and plans[2] is not plans[0]
     assert plans[0].filename == __file__
+    assert plans[0].lineno == f.__code__.co_firstlineno + 1
 
 
 def test_write_back_targets_fast_locals_cells_globals_and_class_bodies():
@@ -223,7 +224,6 @@ def test_unchecked_reads_of_body_bound_names_become_checked():
     assert f(lambda: SkipOnly({"h": 3})) == 3
 
 
-@pytest.mark.skipif(not hasattr(frames, "armed_count"), reason="native leak counter")
 def test_no_armed_handle_outlives_its_trace():
     def f():
         with SkipOnly({"h": 1}):
@@ -289,7 +289,7 @@ def test_fast_skip_context_manager_for_warm_sites():
 
     class Warm(SkipOnly):
         def __exit__(self, *exc):
-            plans[(id(self.plan.code), self.lasti)] = self.plan.arm_args
+            plans[(id(sys._getframe(1).f_code), self.lasti)] = self.plan.arm_args
             return super().__exit__(*exc)
 
         def __enter__(self):

@@ -161,17 +161,17 @@ def test_public_names():
     assert issubclass(interlace.UnsupportedBlockError, interlace.InterlaceError)
 
 
-def test_a_skip_refusal_is_cached_per_block(monkeypatch):
+def test_a_skip_refusal_is_cached_per_site(monkeypatch):
     from interlace import UnsupportedBlockError
     from interlace.tracing import skip
 
     calls = []
 
-    def refusing(frame, block):
+    def refusing(frame, code, block, facts):
         calls.append(block)
         raise UnsupportedBlockError(f"{block.filename}:{block.lineno}: cannot skip this (test)")
 
-    monkeypatch.setattr(skip, "plan", refusing)
+    monkeypatch.setattr(skip, "_make_plan", refusing)  # the analysis behind skip.plan
 
     def f():
         with Tracer():
