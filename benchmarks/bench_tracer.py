@@ -12,8 +12,8 @@ CPU time of this process, ratios to nullcontext):
 * native skip, Py    the same with __enter__/__exit__ in Python calling skip.arm/disarm
 * native Tracer      `interlace.Tracer` with a backend that does nothing: the whole Tracer
                      (its __init__, the warm __enter__/__exit__ in C, the backend call)
-* native Tracer, Py  the same Tracer with its Python __enter__/__exit__ (the policy methods the
-                     C warm path shortcuts; what every entry cost before the warm path)
+* native Tracer, Py  the same Tracer with its Python __enter__/__exit__ (the policy methods,
+                     which read the same registered record: what the twin's warm path does)
 * twin skip / Tracer the same with INTERLACE_NO_EXTENSIONS=1 (a child process)
 * settrace ref       nnsight's way, written here: sys.settrace + frame.f_trace raising at
                      the first body line, suppressed in __exit__
@@ -71,16 +71,19 @@ class SettraceSkip:
         return exc_type is SettraceSkip.Skip
 
 
-def make_runner(cm_factory):
-    def run(n):
-        for _ in range(n):
-            with cm_factory():
-                x = 1  # noqa: F841
+def make_runner(expression: str, **names):
+    """`run(n)`: n times `with <expression>: x = 1`, written out as a user would (no factory
+    call in between), in a code object of its own: with sites are keyed by code object, and a
+    row must not pay for another's (e.g. nullcontext for the monitoring events a skip
+    enabled). The source goes into linecache, where a Tracer reads it."""
+    import linecache
 
-    # A code object of its own per row: with sites are keyed by code object, and a row must
-    # not pay for another's (e.g. nullcontext for the monitoring events a skip enabled).
-    return types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, None,
-                              run.__closure__)
+    source = f"def run(n):\n    for _ in range(n):\n        with {expression}:\n            x = 1\n"
+    filename = f"<bench_tracer row {len(linecache.cache)}: {expression}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(names)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["run"]
 
 
 def per_entry(runs: dict) -> dict:
@@ -110,58 +113,52 @@ def measure_here() -> dict:
 
     nothing = Nothing()
 
+    import types
+
+    def stand_in_block(frame):
+        return types.SimpleNamespace(
+            filename=frame.f_code.co_filename, lineno=frame.f_lineno,
+            first_body_line=frame.f_lineno + 1, same_line=False, first_is_try=False,
+            assigned_names=frozenset({"x"}),
+        )
+
+    plans_by_site = {}
+
     class SkipOnly:
         """Only the skip mechanism (what the extension does), no capture/backend."""
 
-        __slots__ = ("frame", "plan")
+        __slots__ = ("handle",)
 
         def __enter__(self):
             frame = sys._getframe(1)
-            plan = skip._PLANS.get((id(frame.f_code), frame.f_lasti))
+            plan = plans_by_site.get((id(frame.f_code), frame.f_lasti))
             if plan is None:
-                import types
-
-                block = types.SimpleNamespace(
-                    filename=frame.f_code.co_filename, lineno=frame.f_lineno,
-                    first_body_line=frame.f_lineno + 1, same_line=False, first_is_try=False,
-                    assigned_names=frozenset({"x"}),
-                )
-                plan = skip.plan(frame, block)
-            self.plan = plan
-            skip.arm(frame, plan)
+                plan = plans_by_site[(id(frame.f_code), frame.f_lasti)] = skip.plan(frame, stand_in_block(frame))
+            self.handle = skip.arm(frame, plan)
             return self
 
         def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
-                skip.suppresses(self.plan, exc_type, exc)
-            else:
-                skip.disarm(self.plan)
+            skip.disarm(self.handle)
             return True
 
     out = {"native": interlace.native, "python": sys.version.split()[0]}
-    runs = {"nullcontext": make_runner(contextlib.nullcontext), "skip": make_runner(SkipOnly)}
+    runs = {"nullcontext": make_runner("nullcontext()", nullcontext=contextlib.nullcontext),
+            "skip": make_runner("SkipOnly()", SkipOnly=SkipOnly)}
 
     # the same site with enter/exit written in C (frames.FastSkip), plans from skip.plan
     plans = {}
 
-    class Warmup(SkipOnly):
-        def __exit__(self, exc_type, exc, tb):
-            plans[(id(self.plan.code), self.lasti)] = self.plan.arm_args
-            return super().__exit__(exc_type, exc, tb)
-
+    class Warmup:
         def __enter__(self):
-            self.lasti = sys._getframe(1).f_lasti
             frame = sys._getframe(1)
-            import types
-
-            block = types.SimpleNamespace(
-                filename=frame.f_code.co_filename, lineno=frame.f_lineno,
-                first_body_line=frame.f_lineno + 1, same_line=False, first_is_try=False,
-                assigned_names=frozenset({"x"}),
-            )
-            self.plan = skip.plan(frame, block)
-            skip.arm(frame, self.plan)
+            plan = skip.plan(frame, stand_in_block(frame))
+            plans[(id(frame.f_code), frame.f_lasti)] = plan.arm_args
+            self.handle = skip.arm(frame, plan)
             return self
+
+        def __exit__(self, exc_type, exc, tb):
+            skip.disarm(self.handle)
+            return True
 
     from interlace._native import frames
 
@@ -175,19 +172,21 @@ def measure_here() -> dict:
             first[0] = False
 
     runs["fastskip"] = run_fast
-    runs["tracer"] = make_runner(lambda: Tracer(backend=nothing))
+    runs["tracer"] = make_runner("Tracer(backend=nothing)", Tracer=Tracer, nothing=nothing)
 
     from interlace.tracing import tracer as tracer_module
 
     class PolicyTracer(Tracer):
-        """The Tracer with its Python __enter__/__exit__ only (no C warm path)."""
+        """The Tracer with its Python __enter__/__exit__ only (no C warm path: the policy
+        finds the registered record itself, as on the twin)."""
 
         __enter__ = tracer_module._policy_enter
         __exit__ = tracer_module._policy_exit
 
-    runs["tracer_py"] = make_runner(lambda: PolicyTracer(backend=nothing))
+    runs["tracer_py"] = make_runner("PolicyTracer(backend=nothing)", PolicyTracer=PolicyTracer,
+                                    nothing=nothing)
     if not os.environ.get("INTERLACE_NO_EXTENSIONS"):
-        runs["settrace"] = make_runner(SettraceSkip)
+        runs["settrace"] = make_runner("SettraceSkip()", SettraceSkip=SettraceSkip)
     out.update(per_entry(runs))
     return out
 
