@@ -71,7 +71,7 @@ _default_backend = [None]  # what __init__ stores for backend=None (set by trace
 
 
 class _Armed:
-    __slots__ = ("frame", "lo", "hi", "mode", "fired", "prev_global", "prev_local", "live", "stacked")
+    __slots__ = ("frame", "lo", "hi", "mode", "fired", "prev_global", "prev_local", "live")
 
     def __init__(self, frame, lo, hi, mode):
         self.frame = frame
@@ -80,12 +80,11 @@ class _Armed:
         self.mode = mode
         self.fired = False
         self.live = True
-        self.stacked = True
 
 
 _lock = threading.Lock()
 _armed: dict = {}          # frame -> list of _Armed (3.12+ twin)
-_stacked = [0]             # armed handles not yet disarmed, all threads
+_stacked: set = set()      # armed handles not yet disarmed, all threads (the armed stacks)
 # id(code) -> (weak reference to code, set(lines), set(units)); an entry goes with its code.
 _starts: dict = {}
 # id(code) -> (weak reference to code, {(lasti, id(tracer type)): (weak reference to the type,
@@ -111,18 +110,6 @@ def _code_entry(table, code, make):
 
         entry = table[key] = (weakref.ref(code, drop), make())
     return entry
-
-
-def _push(rec):
-    with _lock:
-        _stacked[0] += 1
-
-
-def _pop(rec):
-    if rec.stacked:
-        rec.stacked = False
-        with _lock:
-            _stacked[0] -= 1
 
 
 if V.HAS_MONITORING:
@@ -162,15 +149,15 @@ if V.HAS_MONITORING:
 
     def _on_line(code, line):
         frame = sys._getframe(1)
-        entry = _code_entry(_starts, code, None)
-        if entry is None or line not in entry[1][0]:
+        entry = _starts.get(id(code))
+        if entry is None or line not in entry[1][0] or entry[0]() is not code:
             return _mon.DISABLE
         _fire(frame, frame.f_lasti // 2)
         return None
 
     def _on_instruction(code, offset):
-        entry = _code_entry(_starts, code, None)
-        if entry is None or offset // 2 not in entry[1][1]:
+        entry = _starts.get(id(code))
+        if entry is None or offset // 2 not in entry[1][1] or entry[0]() is not code:
             return _mon.DISABLE
         _fire(sys._getframe(1), offset // 2)
         return None
@@ -195,7 +182,7 @@ if V.HAS_MONITORING:
         """Arm a skip of `frame` at units lo..hi; the twin always raises."""
         rec = _Armed(frame, lo, hi, mode)
         _armed.setdefault(frame, []).append(rec)
-        _push(rec)
+        _stacked.add(rec)
         return rec
 
     def _abandon(rec):
@@ -205,7 +192,7 @@ if V.HAS_MONITORING:
     def disarm(rec):
         """Forget `rec`; True if its skip fired."""
         rec.live = False
-        _pop(rec)
+        _stacked.discard(rec)
         records = _armed.get(rec.frame)
         if records is not None:
             try:
@@ -257,7 +244,7 @@ else:  # 3.10 / 3.11: a chained Python trace function
         frame.f_trace = _LocalTrace(rec)
         if rec.prev_global is None:
             sys.settrace(_no_global)
-        _push(rec)
+        _stacked.add(rec)
         return rec
 
     def _restore(rec):
@@ -274,21 +261,21 @@ else:  # 3.10 / 3.11: a chained Python trace function
             local = rec.frame.f_trace
             if type(local) is _LocalTrace and local.rec is rec:
                 rec.frame.f_trace = rec.prev_local
-        _pop(rec)
+        _stacked.discard(rec)
 
     def disarm(rec):
         """Put back the tracers that were there before `arm`; True if the skip fired."""
         was_live = rec.live
         rec.live = False
-        if was_live or (rec.fired and rec.stacked):
+        if was_live or (rec.fired and rec in _stacked):
             _restore(rec)
-        _pop(rec)
+        _stacked.discard(rec)
         return rec.fired
 
 
 def armed_count():
     """Armed handles not yet disarmed, on any thread. For leak tests."""
-    return _stacked[0]
+    return len(_stacked)
 
 
 def warm_entries():
@@ -311,8 +298,8 @@ def register_site(code, lasti, kind, block, plan, arm_args=None):
 def site(code, lasti, kind):
     """The record `register_site` made: (block, plan, arm_args), or None (none, or its Block
     went)."""
-    entry = _code_entry(_sites, code, None)
-    record = None if entry is None else entry[1].get((lasti, id(kind)))
+    entry = _sites.get(id(code))
+    record = None if entry is None or entry[0]() is not code else entry[1].get((lasti, id(kind)))
     if record is None or record[0]() is not kind:
         return None
     block = record[1]()
@@ -327,7 +314,9 @@ def look_past(code):
 
 def user_frame(frame):
     """`frame`, or its first caller whose code `look_past` did not mark."""
-    while frame is not None and _code_entry(_look_past, frame.f_code, None) is not None:
+    while frame is not None and id(frame.f_code) in _look_past:
+        if _look_past[id(frame.f_code)][0]() is not frame.f_code:
+            break
         frame = frame.f_back
     return frame
 
