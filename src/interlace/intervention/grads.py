@@ -21,9 +21,12 @@ import threading
 import torch
 from greenlet import getcurrent
 
+from .._native import hotpath
 from ..errors import InterlaceError, OutOfOrderError
 from ..tracing import Backend, Tracer
 from .batching import origin
+from .body import BodyJob
+from .exchange import Exchange
 from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator
 
 _original_backward = torch.Tensor.backward
@@ -153,23 +156,22 @@ class BackwardTracer(Tracer):
         self.backward_kwargs = kwargs
 
 
-class _Event:
-    __slots__ = ("tensor", "value", "replaced")
-
-    def __init__(self, tensor, value):
-        self.tensor = tensor
-        self.value = value
-        self.replaced = False
-
-
 class GradRun:
-    """One backward pass with one mediator: tensor hooks hand gradients over."""
+    """One backward pass with one mediator: tensor hooks hand gradients over.
+
+    Each tensor the body asks about is a location of this run (its key, in request order);
+    its hook hands the gradient over through the same event exchange as module hooks
+    (`exchange.py`). A request for one invoke's rows reads and edits only those rows of the
+    batch tensor's gradient, which is what backward reaches.
+    """
 
     def __init__(self):
         self.mediator = None
-        self.handles = {}
-        self.parked = {}  # id(hooked tensor) -> [(requested tensor, its rows or None)]
-        self.event = None
+        self.hub = hotpath.Hub(0, -1, None, None, False)  # keys grow as tensors are asked for
+        self.exchange = Exchange(self.hub, self._serve)
+        self.keys = {}  # id(hooked tensor) -> its key
+        self.shapes = []  # key -> shape of the tensor last requested there (for messages)
+        self.handles = []
         self.done = False
 
     def run(self, body, tensor, args, kwargs):
@@ -188,10 +190,9 @@ class GradRun:
                     error, mediator.error = mediator.error, None
                     raise error from None
             self.done = True
-            for parked, _ in [entry for waiting in self.parked.values() for entry in waiting]:
-                self.parked.clear()
-                message = mediator.resume(OutOfOrderError(
-                    f".grad of a tensor of shape {tuple(parked.shape)} was never supplied: "
+            for key, _, _ in self.hub.drain():
+                mediator.resume(OutOfOrderError(
+                    f".grad of a tensor of shape {self.shapes[key]} was never supplied: "
                     f"backward had already passed it when it was requested, or no gradient "
                     f"reaches it from this loss. Gradients flow from the loss back toward the "
                     f"inputs: request them in that order (later layers first)"
@@ -205,78 +206,84 @@ class GradRun:
             error = mediator.error = None
             if not mediator.finished:
                 mediator.cancel()
-            for handle in self.handles.values():
+            for handle in self.handles:
                 handle.remove()
             self.handles.clear()
-            self.parked.clear()
+            self.hub.drain()
+            self.exchange = None  # (it serves through this run: a cycle until dropped)
             uninstall("grad")
             runs.remove(self)
             self.mediator = None
 
-    def _hook(self, target):
-        """Hook `target` (a tensor the backward pass reaches) once per run."""
-        key = id(target)
-        if key in self.handles:
-            return
+    def _serve(self, mediator, event):
+        """The exchange's `serve`: resume the backward body with a gradient (in a tensor hook)."""
+        mediator.event = event
+        try:
+            message = mediator.resume()
+        finally:
+            mediator.event = None
+        if message == FAILED:
+            raise _BackwardAborted()
+        if message == STOPPED:
+            raise InterlaceError("tracer.stop() cannot end a backward pass")
+
+    def _key(self, target):
+        """The key of `target` (a tensor the backward pass reaches), hooked once per run."""
+        key = self.keys.get(id(target))
+        if key is not None:
+            return key
+        key = len(self.shapes)
+        exchange = self.exchange
 
         def hook(grad):
-            # Serve every request waiting on this tensor, in order; a request for one
-            # invoke's rows sees (and edits) only those rows of the batch's gradient.
-            waiting = self.parked.get(key)
-            flowing = grad
-            while waiting:
-                tensor, rows = waiting.pop(0)
-                value = flowing if rows is None else flowing[rows]
-                event = _Event(tensor, value)
-                self.event = event
-                try:
-                    message = self.mediator.resume()
-                finally:
-                    self.event = None
-                if message == FAILED:
-                    raise _BackwardAborted()
-                if message == STOPPED:
-                    raise InterlaceError("tracer.stop() cannot end a backward pass")
-                if event.replaced:
-                    if rows is None:
-                        flowing = event.value
-                    else:
-                        if flowing is grad:
-                            flowing = grad.clone()
-                        flowing[rows] = event.value
-                waiting = self.parked.get(key)
-            self.parked.pop(key, None)
-            return None if flowing is grad else flowing
+            event = exchange.handoff(key, grad)
+            return event.value if event is not None and event.replaced else None
 
         try:
-            self.handles[key] = target.register_hook(hook)
+            handle = target.register_hook(hook)
         except RuntimeError as error:
             raise InterlaceError(
                 f".grad was requested inside `with loss.backward():` for a tensor of shape "
                 f"{tuple(target.shape)} that does not require grad ({error}); was the trace run "
                 f"under torch.no_grad() or inference_mode()?"
             ) from None
+        self.handles.append(handle)
+        self.keys[id(target)] = key
+        self.shapes.append(None)
+        exchange.grow(key + 1)
+        self.hub.observe(key)
+        return key
 
     def _request(self, tensor):
-        event = self.event
-        if event is not None and event.tensor is tensor:
-            return event
-        if self.done:
-            raise OutOfOrderError(".grad was requested after the backward pass had finished")
+        """Body side: the event of the gradient flowing through `tensor`'s batch tensor, and
+        `tensor`'s rows of it (None: all of it)."""
         # One invoke's `h` is a view of the batch's tensor, which is what backward reaches.
         batch = origin(tensor)
         target, rows = (tensor, None) if batch is None else batch
-        self._hook(target)
-        self.parked.setdefault(id(target), []).append((tensor, rows))
-        self.mediator.wait(PARKED)
-        return self.event
+        mediator = self.mediator
+        event = mediator.event
+        if event is not None and self.keys.get(id(target)) == event.key:
+            return event, rows
+        if self.done:
+            raise OutOfOrderError(".grad was requested after the backward pass had finished")
+        key = self._key(target)
+        self.shapes[key] = tuple(tensor.shape)
+        self.hub.park(key, self.hub.so_far(key), mediator)
+        mediator.wait(PARKED)
+        return mediator.event, rows
 
     def read(self, tensor):
-        return self._request(tensor).value
+        event, rows = self._request(tensor)
+        return event.value if rows is None else event.value[rows]
 
     def write(self, tensor, value):
-        event = self._request(tensor)
-        event.value = value
+        event, rows = self._request(tensor)
+        if rows is None:
+            event.value = value
+        else:
+            if not event.replaced:
+                event.value = event.value.clone()  # the gradient torch passed stays intact
+            event.value[rows] = value
         event.replaced = True
 
 
@@ -286,9 +293,7 @@ class _BackwardAborted(BaseException):
 
 class _BackwardBackend(Backend):
     def __call__(self, tracer):
-        from .tracer import _body
-
         values = {}
-        GradRun().run(_body(tracer, values), tracer.tensor, tracer.backward_args,
+        GradRun().run(BodyJob(tracer.defer(), values), tracer.tensor, tracer.backward_args,
                       tracer.backward_kwargs)
         tracer.push_result(values)

@@ -1,0 +1,157 @@
+"""What a run installs on the model: hooks on the locations bodies ask for, and forward
+overrides for `skip`. All of it belongs to the run and is removed at its teardown (`remove`).
+
+Only locations some body asked for are hooked, at the moment it asks (the model has not
+reached them yet, or the request is out of order anyway); a module nobody asked about runs
+exactly as it does outside a trace. Each hook is a thin closure around the run's event
+exchange (`exchange.py`), plus the run's policy for pending skips and observers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .batching import swap
+
+_MISSING = object()
+
+# Hooks go straight into the module's hook dicts, exactly as `register_forward_(pre_)hook`
+# puts them there, minus the `RemovableHandle` and its weakrefs (a third of a trace's hook
+# cost). Ids come from torch's own counter so they never collide with anybody's handle.
+_DIRECT_HOOKS = all(
+    hasattr(torch.nn.Module(), name)
+    for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks")
+)
+
+
+def attach(module, hook, pre):
+    """Install `hook` on `module` (a with-kwargs pre-hook, or a forward hook); returns a token."""
+    if not _DIRECT_HOOKS:
+        if pre:
+            return module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module.register_forward_hook(hook)
+    hid = RemovableHandle.next_id
+    RemovableHandle.next_id = hid + 1
+    if pre:
+        module._forward_pre_hooks[hid] = hook
+        module._forward_pre_hooks_with_kwargs[hid] = True
+        return (hid, module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs)
+    module._forward_hooks[hid] = hook
+    return (hid, module._forward_hooks)
+
+
+def detach(token):
+    """Remove what `attach` installed."""
+    if type(token) is not tuple:
+        token.remove()
+        return
+    hid = token[0]
+    for hooks in token[1:]:
+        hooks.pop(hid, None)
+
+
+def install(run, key):
+    """Hook location `key` for `run` (once): a pre-hook for an input, a forward hook for an output."""
+    state = run.state
+    if key in run.handles or key >= state.result_key or (key < 2 and run.root_call):
+        return  # the result, a root fired by hand, or an added location (no module hook)
+    index = key >> 1
+    # torch reads a module's forward hooks after its forward only on its slow path, which
+    # a call takes when the module had a hook as it started. Hooking the containers of a
+    # requested location before they start keeps a later request for a container's
+    # output (asked while the model is inside it) servable.
+    for ancestor in state.ancestors[index]:
+        if 2 * ancestor not in run.handles:
+            install(run, 2 * ancestor)
+    run.hub.observe(key)
+    module = state.modules[index]
+    if key & 1:
+        run.handles[key] = attach(module, post_hook(run, key), False)
+    else:
+        run.handles[key] = attach(module, pre_hook(run, key), True)
+
+
+def pre_hook(run, key):
+    """The hook of a module input: hands `(args, kwargs)` over; returns the replacement."""
+    handoff = run.exchange.handoff
+    observers = run.observers
+    thread = run.thread
+    get_ident = threading.get_ident
+
+    def hook(module, args, kwargs):
+        if run.bypass or get_ident() != thread:
+            return None
+        event = handoff(key, (args, kwargs))
+        if observers:
+            run.notify(key, (args, kwargs) if event is None else event.value)
+        if event is not None and event.replaced:
+            return event.value
+        return None
+
+    return hook
+
+
+def post_hook(run, key):
+    """The hook of a module output: applies pending skips, hands the output over; returns
+    the replacement."""
+    handoff = run.exchange.handoff
+    observers = run.observers
+    skips = run.skips
+    thread = run.thread
+    get_ident = threading.get_ident
+    index = key >> 1
+
+    def hook(module, args, output):
+        if run.bypass or get_ident() != thread:
+            return None
+        replaced = False
+        if skips:
+            pending = skips.pop(index, None)
+            if pending is not None:
+                for rows, value in pending:
+                    output = value if rows is None else swap(output, value, rows, run.total)
+                replaced = True
+        event = handoff(key, output)
+        if event is not None:
+            output = event.value
+            replaced = replaced or event.replaced
+        if observers:
+            run.notify(key, output)
+        return output if replaced else None
+
+    return hook
+
+
+def override_forward(run, index):
+    """Let `skip` avoid running module `index`: its forward returns the pending value."""
+    if index in run.overrides:
+        return
+    module = run.state.modules[index]
+    previous = module.__dict__.get("forward", _MISSING)
+    original = module.forward
+    skips = run.skips
+
+    def forward(*args, **kwargs):
+        pending = skips.get(index) if not run.bypass else None
+        if pending is not None and len(pending) == 1 and pending[0][0] is None:
+            return pending[0][1]
+        return original(*args, **kwargs)
+
+    run.overrides[index] = (module, previous)
+    module.forward = forward
+
+
+def remove(run):
+    """Remove every hook and forward override `run` installed."""
+    for token in run.handles.values():
+        detach(token)
+    run.handles.clear()
+    for module, previous in run.overrides.values():
+        if previous is _MISSING:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+    run.overrides.clear()
