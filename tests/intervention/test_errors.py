@@ -11,6 +11,7 @@ import torch
 import interlace
 from interlace import InterlaceError, OutOfOrderError
 from interlace.intervention import mediator as mediator_module
+from interlace.intervention.envoy import engine_of
 
 from .helpers import assert_clean, logits
 
@@ -26,7 +27,7 @@ def _works_after(model, module, x):
     with torch.no_grad():
         assert torch.equal(logits(out), logits(module(x)))
     assert_clean(module)
-    assert model._state.active is None and not model._state.lock.locked()
+    assert engine_of(model).running is None and not engine_of(model).lock.locked()
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["learning", "learned"])
@@ -171,7 +172,7 @@ def test_keyboard_interrupt_during_forward_leaves_model_clean(mlp, x6):
                 h = model.inner[0].output.save()
                 later = model.inner[4].output.save()  # parked when the interrupt hits  # noqa: F841
         assert_clean(module)
-        assert model._state.active is None and not model._state.lock.locked()
+        assert engine_of(model).running is None and not engine_of(model).lock.locked()
         # the parked body was unwound and its worker returned to the pool, not left suspended
         assert len(mediator_module._pool.idle) >= max(idle_before, 1)
         assert all(not w.dead and w.gr_frame is not None for w in mediator_module._pool.idle)

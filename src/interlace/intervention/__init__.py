@@ -1,7 +1,9 @@
-"""The interleaving engine: Envoy tree, Interleaver, Mediator, batching, gradients."""
+"""The interleaving engine: Envoy tree, Engine, Interleaver, Mediator, batching, gradients."""
 
+from .engine import Engine
 from .envoy import Envoy
-from .interleaver import Interleaver, ModelState
+from .interleaver import Interleaver
 from .mediator import Mediator
+from .state import ModelState
 
-__all__ = ["Envoy", "Interleaver", "Mediator", "ModelState"]
+__all__ = ["Engine", "Envoy", "Interleaver", "Mediator", "ModelState"]

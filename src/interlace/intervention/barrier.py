@@ -41,13 +41,13 @@ class BarrierError(InterlaceError, ValueError):
 class Barrier:
     """What `tracer.barrier(n)` returns: call it (`barrier()`) from each of `n` invoke bodies."""
 
-    def __init__(self, model, n, where):
+    def __init__(self, engine, n, where):
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"tracer.barrier(n) takes the number of invokes that meet there (an int), got {n!r}")
         if n < 1:
             raise ValueError(f"tracer.barrier(n) needs n >= 1 (the number of invokes that call it), got {n}")
         self.n = n
-        self._model = model
+        self._engine = engine  # the engine of the traced model
         self._where = where  # "file:line" of `tracer.barrier(n)`
         self._waiting = []  # the bodies that arrived in this round (emptied at release and teardown)
         self._run = None  # the interleaver whose teardown forgets them
@@ -57,7 +57,7 @@ class Barrier:
 
     def __call__(self):
         """Wait here until `n` bodies have called this barrier (the last one does not wait)."""
-        interleaver = self._model._active()
+        interleaver = self._engine.active()
         if interleaver is None or interleaver.current is None:
             raise BarrierError(
                 f"barrier() (the barrier made at {self._where}) is called inside the invoke "
@@ -143,4 +143,4 @@ def make_barrier(tracer, n):
     """`tracer.barrier(n)`: remember where it was made (for error messages)."""
     frame = sys._getframe(2)
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    return Barrier(tracer.model, n, where)
+    return Barrier(tracer.engine, n, where)

@@ -1,10 +1,13 @@
 """Batching several invokes into one forward pass, and giving each invoke only its rows.
 
-`Batcher` is the policy a model wrapper may override (LanguageModel tokenizes and pads):
+`Batcher` is the batching strategy a model wrapper gives its engine (LanguageModel's
+tokenizes and pads; see `engine.Engine`):
 
 - `prepare(args, kwargs)` -> `Prepared`: one invoke's inputs, normalised, with its row count;
 - `batch(prepared_list)` -> `(args, kwargs)`: the inputs of the single forward pass;
-- `slices(prepared_list)` -> one `slice` of batch rows per invoke.
+- `slices(prepared_list)` -> one `slice` of batch rows per invoke;
+- `for_run(run)` -> the batcher for a run made by `run` (a generation may batch differently);
+- `as_given`: a single invoke's inputs go to the model exactly as given (no `prepare`).
 
 `narrow` / `swap` move values between the whole batch and one invoke's rows: tensors whose
 first dimension is the batch size are sliced (a view, so in-place edits reach the model);
@@ -57,6 +60,12 @@ def _describe(value):
 
 class Batcher:
     """Default batching: concatenate tensor arguments on dim 0; other arguments must agree."""
+
+    as_given = True  # one invoke: its inputs as they are (the common trace costs nothing here)
+
+    def for_run(self, run):
+        """The batcher for a run whose model call is `run` (None: the module itself)."""
+        return self
 
     def prepare(self, args, kwargs):
         rows = _rows_of(args)

@@ -36,6 +36,7 @@ import torch
 from ..errors import InterlaceError
 from ..tracing import save
 from .batching import narrow
+from .envoy import Envoy, module_of
 
 
 class CacheError(InterlaceError, ValueError):
@@ -407,7 +408,8 @@ def make_cache(tracer, modules=None, device=torch.device("cpu"), dtype=None, det
                include_output=True, include_inputs=False, non_blocking=False):
     """`tracer.cache(...)` (see `InterleavingTracer.cache`): register a cache on the running body."""
     model = tracer.model
-    interleaver = model._active()
+    engine = tracer.engine
+    interleaver = engine.active()
     if interleaver is None or interleaver.current is None:
         raise CacheError(
             "tracer.cache() records while the model runs: call it inside the body that runs "
@@ -423,7 +425,7 @@ def make_cache(tracer, modules=None, device=torch.device("cpu"), dtype=None, det
         )
     if not (include_output or include_inputs):
         raise CacheError("tracer.cache() with include_output=False and include_inputs=False records nothing")
-    state = model._state
+    state = engine.state
     keys = _module_indexes(state, modules)
     generating = bool(getattr(tracer._run, "generates", False))
     cache = Cache(tuple(state.paths), root=model, steps=generating,
@@ -446,10 +448,10 @@ def _module_indexes(state, modules):
         return range(len(state.modules))
     if isinstance(modules, str):
         modules = [modules]
-    elif isinstance(modules, torch.nn.Module) or hasattr(modules, "_module"):
+    elif isinstance(modules, (torch.nn.Module, Envoy)):
         # one module: itself, unless it is a container that never runs (ModuleList/Dict):
         # then its children (`modules=model.transformer.h` means the layers)
-        module = getattr(modules, "_module", modules)
+        module = module_of(modules) if isinstance(modules, Envoy) else modules
         if type(module).forward is torch.nn.Module.forward and len(module._modules):
             modules = list(module.children())
         else:
@@ -469,7 +471,7 @@ def _module_indexes(state, modules):
                     + (f" (did you mean {', '.join(close)}?)" if close else "")
                 )
         else:
-            module = getattr(item, "_module", item)
+            module = module_of(item) if isinstance(item, Envoy) else item
             index = state.index.get(id(module)) if isinstance(module, torch.nn.Module) else None
             if index is None:
                 raise CacheError(

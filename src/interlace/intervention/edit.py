@@ -31,19 +31,18 @@ a per-run tracer) at each replay.
 from __future__ import annotations
 
 import ast
+import functools
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from ..tracing import blocks as _blocks
-from ..tracing.save import TraceState
-from .envoy import Envoy
+from ..tracing.save import TraceState, enter_body, exit_body
+from .envoy import Envoy, module_of
 from .iteration import IterMixin
 
 
 class EditTracer(Tracer):
     """What `model.edit(...)` returns; see the module docstring."""
-
-    _globals = None  # set on each replay's own copy (see `Edit.body`)
 
     def __init__(self, wrapper, inplace=False):
         super().__init__(backend=_RECORD)
@@ -66,17 +65,6 @@ class EditTracer(Tracer):
     def all(self):
         raise InterlaceError(_ITER_OUTSIDE.format(what="tracer.all()"))
 
-    def execute(self, block, namespace=None):
-        """Run the body as a function of the recorded names, under the recorded globals."""
-        params = tuple(namespace)
-        globals_ = self._globals
-        key = (params, id(globals_))
-        function = block.callables.get(key)  # (the function keeps `globals_`, hence its id)
-        if function is None:
-            code = block.function_code(params, self)
-            function = block.callables[key] = _blocks.make_function(code, globals_)
-        return function(*namespace.values())
-
     def __getstate__(self):
         state = super().__getstate__()
         state["_wrapper"] = None
@@ -97,9 +85,12 @@ class _RecordBackend(Backend):
         block = tracer.block
         if block.passonly or wrapper is None:
             return  # nothing to intercept: an edit that does nothing
-        frame = tracer._frame
-        edit = Edit(tracer, _bind(tracer, wrapper, block, frame.f_locals), frame.f_globals)
-        object.__setattr__(wrapper, "_edits", (*wrapper._edits, edit))
+        body = tracer.defer()
+        # a module-level edit binds every global it names (as nnsight does), a function's
+        # edit the caller's locals it names; other globals stay live lookups
+        names = body.globals if block.kind == "module" else body.namespace
+        edit = Edit(tracer, _bind(tracer, wrapper, block, names), body.globals)
+        set_edits(wrapper, (*edits_of(wrapper), edit))
 
 
 _RECORD = _RecordBackend()
@@ -128,7 +119,7 @@ def _bind(tracer, wrapper, block, names):
     """The caller's names the body mentions, as they are now, with markers for cycles."""
     mentioned = {n.id for stmt in block.statements for n in ast.walk(stmt) if type(n) is ast.Name}
     mentioned -= block.declared_global
-    root = wrapper._module
+    root = module_of(wrapper)
     namespace = {}
     for name in sorted(mentioned):
         if name not in names:
@@ -136,7 +127,7 @@ def _bind(tracer, wrapper, block, names):
         value = names[name]
         if value is tracer:
             value = _TRACER
-        elif isinstance(value, Envoy) and value.__dict__.get("_module") is root:
+        elif isinstance(value, Envoy) and module_of(value) is root:
             value = _WRAPPER
         namespace[name] = value
     return namespace
@@ -166,7 +157,8 @@ class Edit:
         return f"<Edit recorded at {self.where}>"
 
     def body(self, wrapper):
-        """The mediator's job for one replay in a run of `wrapper`."""
+        """The mediator's job for one replay in a run of `wrapper` (an edit's `iter` loop
+        just ends with the run: `quiet`, no warning)."""
 
         def replay():
             namespace = {}
@@ -176,14 +168,11 @@ class Edit:
                 elif value is _TRACER:
                     value = EditRun(wrapper)
                 namespace[name] = value
-            # A tracer of its own per replay: its own save state (whose saves go nowhere:
-            # nothing of an edit comes back) and the recorded globals.
-            runner = object.__new__(type(self.tracer))
-            runner.__dict__.update(self.tracer.__dict__)
-            runner._globals = self.globals
-            runner._state = TraceState(None)
+            # A save state of its own per replay (whose saves go nowhere: nothing of an edit
+            # comes back), and the recorded globals.
+            token = enter_body(TraceState(None))  # also mounts `.save()`
             try:
-                runner.run_body(namespace)
+                self._execute(namespace)
             except Exception as error:
                 if hasattr(error, "add_note"):
                     error.add_note(
@@ -191,8 +180,23 @@ class Edit:
                         f"(`with model.edit()`), which runs in every trace of the edited model"
                     )
                 raise
+            finally:
+                exit_body(token)
 
+        replay.quiet = True
         return replay
+
+    def _execute(self, namespace):
+        """Run the body as a function of the recorded names, under the recorded globals."""
+        block = self.tracer.block
+        params = tuple(namespace)
+        globals_ = self.globals
+        key = (params, id(globals_))
+        function = block.callables.get(key)  # (the function keeps `globals_`, hence its id)
+        if function is None:
+            code = block.function_code(params, self.tracer)
+            function = block.callables[key] = _blocks.make_function(code, globals_)
+        return function(*namespace.values())
 
     def __getstate__(self):
         block = self.tracer.block
@@ -224,15 +228,18 @@ class EditRun(IterMixin):
         return "<edit tracer (replaying)>"
 
 
-def add_edits(interleaver, wrapper, rows_per_invoke):
-    """Add one mediator per edit of `wrapper` for each invoke's rows, before the run's own."""
-    edits = wrapper._edits
-    for i, rows in enumerate(rows_per_invoke):
-        label = "edit" if rows is None else f"edit for invoke {i}"
-        for edit in edits:
-            body = edit.body(wrapper)
-            body.quiet = True  # an edit's iter loop just ends with the run: no warning
-            interleaver.add(body, rows, label=label)
+def edits_of(wrapper) -> tuple:
+    """The edits recorded on `wrapper` (a wrapper's own: copies made from it keep theirs)."""
+    return wrapper.__dict__.get("_edits", ())
+
+
+def replays(wrapper) -> tuple:
+    """What `Engine.interleave(edits=...)` takes for a run of `wrapper`: one factory per
+    recorded edit, each making a fresh replay body (one per invoke)."""
+    edits = wrapper.__dict__.get("_edits")
+    if not edits:
+        return ()
+    return tuple(functools.partial(edit.body, wrapper) for edit in edits)
 
 
 def set_edits(wrapper, edits):

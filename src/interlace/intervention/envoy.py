@@ -8,7 +8,7 @@ module: outside a trace the model is exactly the module the user gave us (no hoo
 The tree has no reference cycle, so a wrapped model is freed by reference counting alone
 (on a GPU its memory comes back the moment the user's last reference goes, not at the next
 cyclic collection): the root holds its children (a cache), and each child holds only its
-module and the model's `ModelState` (which holds modules, never Envoys), not its root. A
+module and the model's `Engine` (which holds modules, never Envoys), not its root. A
 child therefore keeps working when the user holds it alone (`layer = model.transformer.h[0]`,
 then `del model`); it still needs a trace of its model to read values, and a trace holds the
 model for as long as it runs.
@@ -16,13 +16,13 @@ model for as long as it runs.
 
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
 
 import torch
 
 from ..errors import InterlaceError, NotInTraceError
+from .engine import Engine
 from .source import module_source
 
 
@@ -43,20 +43,18 @@ class Envoy:
     frees the model by reference counting.
     """
 
-    def __new__(cls, module=None, *args, _state=None, **kwargs):
-        if cls is Envoy and _state is None and ROOT_CLASS:
+    def __new__(cls, module=None, *args, _engine=None, **kwargs):
+        if cls is Envoy and _engine is None and ROOT_CLASS:
             cls = ROOT_CLASS[0]  # `Envoy(module)`: a root that can trace
         return object.__new__(cls)
 
-    def __init__(self, module: torch.nn.Module, path: str = "model", *, _state=None, _index=0,
+    def __init__(self, module: torch.nn.Module, path: str = "model", *, _engine=None, _index=0,
                  _parent=None):
-        if _state is None:  # a root made without `models` loaded: it has a tree, no trace()
-            from .interleaver import ModelState
-
-            _state = ModelState(module)
+        if _engine is None:  # a root made without `models` loaded: it has a tree, no trace()
+            _engine = Engine(module)
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_state", _state)  # the model's ModelState (no Envoy in it)
+        object.__setattr__(self, "_engine", _engine)  # the model's Engine (no Envoy in it)
         object.__setattr__(self, "_index", _index)
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_parent", None if _parent is None else weakref.ref(_parent))
@@ -72,17 +70,17 @@ class Envoy:
         child = self._children.get(name)
         if child is None:
             module = self._module._modules[name]
-            state = self._state
-            index = state.index.get(id(module))
+            engine = self._engine
+            index = engine.state.index.get(id(module))
             # A module reachable at two paths has one Envoy, at its first path (as torch's
             # named_modules lists it), whichever path the user walks first.
-            child = state.envoys.get(index) if index is not None else None
+            child = engine.envoys.get(index) if index is not None else None
             if child is None:
-                path = state.paths[index] if index is not None else f"{self._path}.{name}"
-                cls = _envoy_class(state.envoy_classes, module, path)
-                child = cls(module, path, _state=state, _index=index, _parent=self)
+                path = engine.state.paths[index] if index is not None else f"{self._path}.{name}"
+                cls = _envoy_class(engine.envoy_classes, module, path)
+                child = cls(module, path, _engine=engine, _index=index, _parent=self)
                 if index is not None:
-                    state.envoys[index] = child
+                    engine.envoys[index] = child
             self._children[name] = child
         return child
 
@@ -103,7 +101,7 @@ class Envoy:
             real = name[len(COLLISION_PREFIX):]
             if module._modules.get(real) is not None and real in SERVED:
                 return self._child(real)  # BERT's `output` submodule, as `.E_output`
-        aliases = self._state.aliases.get(self._path)
+        aliases = self._engine.aliases.get(self._path)
         if aliases and name in aliases:
             return self.get(aliases[name])
         try:
@@ -150,9 +148,10 @@ class Envoy:
         return len([m for m in self._module._modules.values() if m is not None])
 
     def __repr__(self):
-        if not self._state.aliases:
+        aliases = self._engine.aliases
+        if not aliases:
             return repr(self._module)
-        return _repr_with_aliases(self._module, self._path, self._state.aliases)
+        return _repr_with_aliases(self._module, self._path, aliases)
 
     # -- the tree as data: what scripts walk ---------------------------------------------------
 
@@ -251,7 +250,7 @@ class Envoy:
         return Iteration(self._running_mediator, slice(None), text="all()")
 
     def _running_mediator(self, what):
-        interleaver = self._active()
+        interleaver = self._engine.active()
         if interleaver is None or interleaver.current is None:
             raise NotInTraceError(f"{what} works only inside the body of a running trace")
         return interleaver.mediator(what)
@@ -263,17 +262,15 @@ class Envoy:
 
     def _active(self):
         """The interleaver running a trace of this model in *this* thread, if any."""
-        state = self._state
-        if state.owner == threading.get_ident():
-            return state.active
-        return None
+        return self._engine.active()
 
     def _interleaver(self, what):
         # The running trace of this model, whatever thread runs it: the interleaver's own
         # check (is the caller its running body?) turns other threads away with a clear error.
-        interleaver = self._state.active
+        engine = self._engine
+        interleaver = engine.running
         if interleaver is None:
-            if self._state.collecting:
+            if engine.collecting:
                 raise InterlaceError(
                     f"{self._path}.{what} was used outside an invoke: in a trace with "
                     f"`with tracer.invoke(...):` blocks, module values are read and edited "
@@ -328,10 +325,25 @@ class Envoy:
 
     def __call__(self, *args, **kwargs):
         """Run the module. Inside a trace body it runs as a plain module (no hooks fire)."""
-        interleaver = self._active()
+        interleaver = self._engine.active()
         if interleaver is not None and interleaver.current is not None:
             return interleaver.call_plain(self._module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+def module_of(envoy) -> torch.nn.Module:
+    """The torch module `envoy` stands for (an Envoy's own attributes are its module's)."""
+    return envoy.__dict__["_module"]
+
+
+def engine_of(envoy):
+    """The `Engine` of the model `envoy` belongs to (one per model, shared by its whole tree)."""
+    return envoy.__dict__["_engine"]
+
+
+def child_of(envoy, name):
+    """The Envoy of `envoy`'s submodule `name` (by its attribute name in the module)."""
+    return envoy._child(name)
 
 
 def first_input(inputs, path):
@@ -500,12 +512,13 @@ def traceable(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if self._active() is not None or not followed_by_with(sys._getframe(1)):
+        if self._engine.active() is not None or not followed_by_with(sys._getframe(1)):
             return method(self, *args, **kwargs)
-        root = self.root
-        if not hasattr(root, "trace"):
-            raise InterlaceError(f"{method.__name__} is traceable only on a wrapped model")
-        return root._trace_with(lambda *a, **k: method(self, *a, **k), args, kwargs)
+        from .tracer import InterleavingTracer
+
+        # a trace of the whole model (its root Envoy) whose run calls the method
+        return InterleavingTracer(self.root, args, kwargs,
+                                  run=lambda *a, **k: method(self, *a, **k))
 
     wrapper.traceable = True
     return wrapper

@@ -23,6 +23,7 @@ import warnings
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
+from .envoy import engine_of
 
 MAX_IDLE_STEPS = 10_000
 """An open-ended loop whose steps asked the model for nothing this many times in a row is
@@ -180,7 +181,7 @@ class IterMixin:
         return Iteration(self._running_mediator, slice(None), text="all()")
 
     def _running_mediator(self, what):
-        interleaver = self.model._active()
+        interleaver = engine_of(self.model).active()
         if interleaver is None or interleaver.current is None:
             raise InterlaceError(
                 f"{what} works only inside the body of a running trace or generation "

@@ -38,14 +38,15 @@ from .tracer import _INTERLEAVING, InterleavingTracer
 class ScanTracer(InterleavingTracer):
     """The tracer of `model.scan(...)`: `model.trace(...)` under fake tensors."""
 
-    def __init__(self, model, args=(), kwargs=None, run=None):
-        super().__init__(model, args, kwargs, run=run)
+    def __init__(self, model, args=(), kwargs=None, run=None, batcher=None):
+        super().__init__(model, args, kwargs, run=run, batcher=batcher)
         self.backend = _SCAN
 
     @classmethod
     def of(cls, tracer):
         """The scan of what `tracer` (a `model.trace(...)` tracer, not entered) would run."""
-        return cls(tracer.model, tracer.args, tracer.kwargs, run=tracer._run)
+        return cls(tracer.model, tracer.args, tracer.kwargs, run=tracer._run,
+                   batcher=tracer._batcher)
 
     def push_result(self, values):
         """Saved fake tensors leave as meta tensors (see the module docstring)."""
@@ -69,10 +70,10 @@ class _ScanBackend:
     def __call__(self, tracer):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        model = tracer.model
-        if _on_meta(model._module):
-            tracer._run = _OnMeta(tracer._run or model._run_model)
-        mode = _scan_mode(model._module)
+        module = tracer.engine.module
+        if _on_meta(module):
+            tracer._run = _OnMeta(tracer._run or module)
+        mode = _scan_mode(module)
         _QUIET.add()
         try:
             with mode:

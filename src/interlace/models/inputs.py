@@ -12,9 +12,9 @@ alone (the footgun style.md names: "batched runs that silently differ from singl
 `position_ids` are therefore computed from the final attention mask, after all invokes'
 prompts have been batched together -- never per invoke.
 
-These are plain functions so that the engine's batching hook can call them:
 `prepare` (one invoke's inputs -> batch), `combine` (several invokes' batches -> one batch
-plus each invoke's row slice), `position_ids` (from a mask).
+plus each invoke's row slice) and `position_ids` (from a mask) are plain functions;
+`PromptBatcher` is the batching strategy a `LanguageModel` gives its engine.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..errors import InterlaceError
 from ..intervention.batching import Batcher, BatchingError, Prepared
 
 ACCEPTED = (
@@ -263,7 +264,7 @@ def _pad(rows, pad_id) -> dict[str, torch.Tensor]:
     return out
 
 
-# --- the engine's batching hook -------------------------------------------------------------
+# --- the engine's batching strategy -----------------------------------------------------------
 
 
 class PromptBatcher(Batcher):
@@ -271,22 +272,151 @@ class PromptBatcher(Batcher):
 
     Each invoke's prompt becomes `input_ids`/`attention_mask` rows; all invokes are padded
     together to the longest, and `position_ids` come from the final mask (when the model
-    takes them). Other keywords must agree across invokes, as for any model.
+    takes them). Other keywords must agree across invokes, as for any model. A generation
+    (`for_run` of a run that `generates`) leaves positions to transformers and its keywords
+    to `generate`'s own check.
+
+    It holds the module and the tokenizer, never the wrapper: the wrapper's engine holds it.
     """
 
-    def __init__(self, model, *, generate=False):
-        self.model = model  # the LanguageModel: tokenizer, kwargs check, input device
+    as_given = False  # even one prompt is tokenized and padded
+
+    def __init__(self, module, tokenizer, *, generate=False):
+        self.module = module
+        self.tokenizer = tokenizer
         self.generate = generate
+        self._signature = None  # (forward function, named parameters, accepted keywords)
+        self._generating = None
+
+    def for_run(self, run):
+        if self.generate or not getattr(run, "generates", False):
+            return self
+        if self._generating is None:
+            self._generating = PromptBatcher(self.module, self.tokenizer, generate=True)
+        return self._generating
 
     def prepare(self, args, kwargs):
-        batch, rest = self.model.prepare_inputs(*args, **kwargs)
+        batch, rest = self.prepare_inputs(*args, **kwargs)
         if not self.generate:  # generate() validates its own keywords
-            self.model.check_forward_kwargs(rest)
+            self.check_forward_kwargs(rest)
         prepared = Prepared((), rest, batch["input_ids"].shape[0])
         prepared.prompt = batch
         return prepared
 
     def batch(self, prepared):
         _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
-        combined, _ = combine([p.prompt for p in prepared], self.model.tokenizer)
-        return (), self.model.model_kwargs(combined, rest, positions=not self.generate)
+        combined, _ = combine([p.prompt for p in prepared], self.tokenizer)
+        return (), self.model_kwargs(combined, rest, positions=not self.generate)
+
+    # -- what LanguageModel's public methods of the same names do -------------------------------
+
+    def prepare_inputs(self, *args, **kwargs) -> tuple[dict, dict]:
+        """One invoke's `(args, kwargs)` -> (`batch` of padded tensors, other model kwargs)."""
+        if len(args) > 1:
+            raise TypeError(
+                f"got {len(args)} positional inputs; pass one prompt (or a list of prompts) "
+                "per trace/invoke, or use several tracer.invoke(...) blocks"
+            )
+        attention_mask = kwargs.pop("attention_mask", None)
+        if args:
+            if "input_ids" in kwargs:
+                raise TypeError("the prompt was given twice: positionally and as input_ids=")
+            prompt = args[0]
+        elif "input_ids" in kwargs:
+            prompt = kwargs.pop("input_ids")
+        else:
+            raise TypeError(
+                "no prompt was given: pass a string, a list of strings, token ids or a "
+                "tokenizer's output, e.g. model.trace('The Eiffel Tower is in')"
+            )
+        if "position_ids" in kwargs:
+            raise TypeError(POSITION_IDS)
+        batch = prepare(prompt, self.tokenizer, attention_mask=attention_mask)
+        return batch, kwargs
+
+    def model_kwargs(self, batch: dict, kwargs: dict, *, positions=True) -> dict:
+        """The module's keyword inputs: the batch on the input device, positions, the rest."""
+        device = self.input_device
+        out = {k: v.to(device) for k, v in batch.items()}
+        if positions and "position_ids" in self.forward_signature()[0]:
+            out["position_ids"] = position_ids(out["attention_mask"])
+        out.update(kwargs)
+        return out
+
+    def check_forward_kwargs(self, kwargs):
+        """Refuse keywords the model's forward would silently drop (generate checks its own)."""
+        if not kwargs:
+            return
+        named, allowed = self.forward_signature()
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            known = sorted(named - _MANAGED - {"self"})
+            raise UnknownKeywordError(
+                f"{type(self.module).__name__}.forward does not take "
+                f"{', '.join(repr(u) for u in unknown)}; it takes {', '.join(known)}. "
+                "Generation options (max_new_tokens=, do_sample=...) belong to model.generate()"
+            )
+
+    def forward_signature(self):
+        """(named parameters, accepted keywords) of the module's forward, read once."""
+        import inspect
+
+        forward = self.module.forward
+        key = getattr(forward, "__func__", forward)
+        cached = self._signature
+        if cached is None or cached[0] is not key:
+            params = inspect.signature(forward).parameters
+            named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            takes_var = any(p.kind == p.VAR_KEYWORD for p in params.values())
+            allowed = named | (_IMPLICIT_FORWARD_KWARGS if takes_var else set())
+            cached = self._signature = (key, named, allowed)
+        return cached[1], cached[2]
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where input ids must live: the embedding's device (accelerate may spread the rest)."""
+        module = self.module
+        try:
+            embed = module.get_input_embeddings()
+            weight = getattr(embed, "weight", None)
+            if weight is not None and weight.device.type != "meta":
+                return weight.device
+        except (AttributeError, NotImplementedError):
+            pass
+        for p in module.parameters():
+            if p.device.type != "meta":
+                return p.device
+        return torch.device("cpu")
+
+
+class UnknownKeywordError(InterlaceError, TypeError, ValueError):
+    """A keyword the model (trace) or transformers' generate (generate) does not take.
+
+    A `TypeError`, as Python raises for an unexpected keyword, and a `ValueError`, as
+    transformers' generate raises for unused model kwargs, so either `except` catches it.
+    """
+
+
+# Keywords transformers' causal LMs take through **kwargs (TransformersKwargs) or through a
+# decorator (return_dict, the deprecated past_key_values), which a signature does not show.
+_IMPLICIT_FORWARD_KWARGS = {
+    "return_dict",
+    "past_key_values",
+    "output_attentions",
+    "output_hidden_states",
+    "output_router_logits",
+    "num_items_in_batch",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "is_causal",
+    "seq_idx",
+}
+# The inputs interlace builds itself from the prompts.
+_MANAGED = {"input_ids", "attention_mask", "position_ids"}
+
+POSITION_IDS = (
+    "position_ids are computed from the attention mask after batching so that padded prompts "
+    "match their unpadded runs; do not pass position_ids="
+)

@@ -6,48 +6,16 @@ tokenizer output) into one left-padded batch with `position_ids`, and `generate`
 
 from __future__ import annotations
 
-import contextvars
-import inspect
-
 import torch
 
-from ..errors import InterlaceError
+from ..intervention.envoy import engine_of, module_of
+from ..intervention.session import check_remote
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs
+from .inputs import POSITION_IDS, PromptBatcher
+from .inputs import UnknownKeywordError  # noqa: F401 - raised by trace/generate: importable here
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
-from ..intervention.session import check_remote
 from .model import Model
-
-# Whether the run being prepared is a generation (set around `_interleave`, per context so
-# two threads tracing the same model cannot see each other's mode).
-_GENERATING = contextvars.ContextVar("interlace_generating", default=False)
-
-# Keywords transformers' causal LMs take through **kwargs (TransformersKwargs) or through a
-# decorator (return_dict, the deprecated past_key_values), which a signature does not show.
-_IMPLICIT_FORWARD_KWARGS = {
-    "return_dict",
-    "past_key_values",
-    "output_attentions",
-    "output_hidden_states",
-    "output_router_logits",
-    "num_items_in_batch",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-    "is_causal",
-    "seq_idx",
-}
-# The inputs interlace builds itself from the prompts.
-_MANAGED = {"input_ids", "attention_mask", "position_ids"}
-
-
-class UnknownKeywordError(InterlaceError, TypeError, ValueError):
-    """A keyword the model (trace) or transformers' generate (generate) does not take.
-
-    A `TypeError`, as Python raises for an unexpected keyword, and a `ValueError`, as
-    transformers' generate raises for unused model kwargs, so either `except` catches it.
-    """
 
 
 class LanguageModel(Model):
@@ -112,7 +80,8 @@ class LanguageModel(Model):
                 f"LanguageModel takes a repo id, a folder path or a torch.nn.Module, "
                 f"got a value of type {type(model).__name__}"
             )
-        super().__init__(module, rename=rename, envoys=envoys)
+        super().__init__(module, rename=rename, envoys=envoys,
+                         _batcher=PromptBatcher(module, tokenizer))
         object.__setattr__(self, "tokenizer", tokenizer)
         recipe = None
         if not isinstance(model, torch.nn.Module):  # how a Ray worker rebuilds this model
@@ -138,7 +107,7 @@ class LanguageModel(Model):
         check_remote(remote, "model.trace")
         prompt, rest = _split_prompt(kwargs)
         self.check_forward_kwargs(rest)
-        run = _Forward(self._module, rest) if rest else None
+        run = _Forward(module_of(self), rest) if rest else None
         return LanguageTracer(self, args, prompt, run=run)
 
     def generate(self, *args, remote=False, **kwargs):
@@ -153,11 +122,12 @@ class LanguageModel(Model):
         """
         check_remote(remote, "model.generate")
         prompt, rest = _split_prompt(kwargs)
-        config = getattr(self._module, "generation_config", None)
+        module = module_of(self)
+        config = getattr(module, "generation_config", None)
         if "pad_token_id" not in rest and getattr(config, "pad_token_id", None) is None:
             # The id we pad with; transformers would otherwise log a warning per generation.
             rest["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
-        return LanguageTracer(self, args, prompt, run=_Generation(self._module, rest))
+        return LanguageTracer(self, args, prompt, run=_Generation(module, rest))
 
     def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
               workers=None, generate=False, **kwargs):
@@ -177,31 +147,22 @@ class LanguageModel(Model):
                 "themselves (input=None), not as input_ids=/attention_mask=/position_ids="
             )
         eos = ()
+        module = module_of(self)
         if generate:
-            config = getattr(self._module, "generation_config", None)
+            config = getattr(module, "generation_config", None)
             if "pad_token_id" not in kwargs and getattr(config, "pad_token_id", None) is None:
                 kwargs["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
             eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
             eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-            run = _Generation(self._module, kwargs)
+            run = _Generation(module, kwargs)
         else:
             self.check_forward_kwargs(kwargs)
-            run = _Forward(self._module, kwargs) if kwargs else None
+            run = _Forward(module, kwargs) if kwargs else None
         return SweepTracer(self, items, input, batch_size=batch_size, progress=progress,
                            executor=executor, workers=workers, generate=generate, run=run,
                            eos=eos)
 
-    def _interleave(self, invokes, run=None, **options):
-        token = _GENERATING.set(getattr(run, "generates", False))
-        try:
-            return super()._interleave(invokes, run, **options)
-        finally:
-            _GENERATING.reset(token)
-
-    def _batcher(self):
-        return _inputs.PromptBatcher(self, generate=_GENERATING.get())
-
-    # --- inputs: the hooks the engine's batching calls ----------------------------------
+    # --- inputs: what the engine's batching (inputs.PromptBatcher) does ------------------
 
     def prepare_inputs(self, *args, **kwargs) -> tuple[dict, dict]:
         """One invoke's `(args, kwargs)` -> (`batch` of padded tensors, other model kwargs).
@@ -210,27 +171,7 @@ class LanguageModel(Model):
         `attention_mask=`) given as keywords. Other keywords are returned as they are (the
         batcher checks them against the model's forward when tracing).
         """
-        if len(args) > 1:
-            raise TypeError(
-                f"got {len(args)} positional inputs; pass one prompt (or a list of prompts) "
-                "per trace/invoke, or use several tracer.invoke(...) blocks"
-            )
-        attention_mask = kwargs.pop("attention_mask", None)
-        if args:
-            if "input_ids" in kwargs:
-                raise TypeError("the prompt was given twice: positionally and as input_ids=")
-            prompt = args[0]
-        elif "input_ids" in kwargs:
-            prompt = kwargs.pop("input_ids")
-        else:
-            raise TypeError(
-                "no prompt was given: pass a string, a list of strings, token ids or a "
-                "tokenizer's output, e.g. model.trace('The Eiffel Tower is in')"
-            )
-        if "position_ids" in kwargs:
-            raise TypeError(_POSITION_IDS)
-        batch = _inputs.prepare(prompt, self.tokenizer, attention_mask=attention_mask)
-        return batch, kwargs
+        return self._prompts().prepare_inputs(*args, **kwargs)
 
     def model_kwargs(self, batch: dict, kwargs: dict, *, positions=True) -> dict:
         """The module's keyword inputs: the batch on the input device, positions, the rest.
@@ -239,59 +180,31 @@ class LanguageModel(Model):
         transformers' generate computes the very same positions from the mask itself (and
         extends them per step more cheaply than when they are given).
         """
-        device = self.input_device
-        out = {k: v.to(device) for k, v in batch.items()}
-        if positions and self._accepts("position_ids"):
-            out["position_ids"] = _inputs.position_ids(out["attention_mask"])
-        out.update(kwargs)
-        return out
+        return self._prompts().model_kwargs(batch, kwargs, positions=positions)
 
     def check_forward_kwargs(self, kwargs):
         """Refuse keywords the model's forward would silently drop (generate checks its own)."""
-        if not kwargs:
-            return
-        named, allowed = self._forward_signature()
-        unknown = sorted(set(kwargs) - allowed)
-        if unknown:
-            known = sorted(named - _MANAGED - {"self"})
-            raise UnknownKeywordError(
-                f"{type(self._module).__name__}.forward does not take "
-                f"{', '.join(repr(u) for u in unknown)}; it takes {', '.join(known)}. "
-                "Generation options (max_new_tokens=, do_sample=...) belong to model.generate()"
-            )
-
-    def _accepts(self, name) -> bool:
-        return name in self._forward_signature()[0]
-
-    def _forward_signature(self):
-        """(named parameters, accepted keywords) of the module's forward, read once."""
-        forward = self._module.forward
-        key = getattr(forward, "__func__", forward)
-        cached = self.__dict__.get("_signature")
-        if cached is None or cached[0] is not key:
-            params = inspect.signature(forward).parameters
-            named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-            takes_var = any(p.kind == p.VAR_KEYWORD for p in params.values())
-            allowed = named | (_IMPLICIT_FORWARD_KWARGS if takes_var else set())
-            cached = (key, named, allowed)
-            object.__setattr__(self, "_signature", cached)
-        return cached[1], cached[2]
+        self._prompts().check_forward_kwargs(kwargs)
 
     @property
     def input_device(self) -> torch.device:
         """Where input ids must live: the embedding's device (accelerate may spread the rest)."""
-        module = self._module
-        try:
-            embed = module.get_input_embeddings()
-            weight = getattr(embed, "weight", None)
-            if weight is not None and weight.device.type != "meta":
-                return weight.device
-        except (AttributeError, NotImplementedError):
-            pass
-        for p in module.parameters():
-            if p.device.type != "meta":
-                return p.device
-        return torch.device("cpu")
+        return self._prompts().input_device
+
+    def _prompts(self) -> PromptBatcher:
+        return engine_of(self).batcher
+
+    def wrapper_recipe(self):
+        """As `Model.wrapper_recipe`; a model loaded by repo id or folder, whose weights are
+        still the ones loaded, is made again from that name (`loaded=True`)."""
+        recipe = self.__dict__.get("_load_recipe")
+        if recipe is not None and recipe[2]():
+            args, kwargs, _ = recipe
+            return type(self), args, kwargs, True
+        cls, args, kwargs, _ = super().wrapper_recipe()
+        if self.tokenizer is not None:
+            kwargs["tokenizer"] = self.tokenizer
+        return cls, args, kwargs, False
 
 
 def _unchanged_since_load(module):
@@ -340,7 +253,7 @@ class _Forward(_Run):
 
 class _Generation(_Run):
     __slots__ = ()
-    generates = True  # LanguageModel._interleave batches a generation's prompts for it
+    generates = True  # PromptBatcher.for_run batches a generation's prompts for it
     what = "model.generate(...)"
 
     def __call__(self, *args, **inputs):
@@ -358,15 +271,9 @@ class _Generation(_Run):
 def _split_prompt(kwargs):
     """(the prompt's keywords, everything else) of a trace()/generate() call."""
     if "position_ids" in kwargs:
-        raise TypeError(_POSITION_IDS)
+        raise TypeError(POSITION_IDS)
     prompt = {k: kwargs.pop(k) for k in ("input_ids", "attention_mask") if k in kwargs}
     return prompt, kwargs
-
-
-_POSITION_IDS = (
-    "position_ids are computed from the attention mask after batching so that padded prompts "
-    "match their unpadded runs; do not pass position_ids="
-)
 
 
 class TransformersModel(LanguageModel):

@@ -2,8 +2,9 @@
 
 Wrapping installs nothing: outside a trace, `model(x)` is the module's own call, with no
 hooks and its own `forward` (a wrapper on every module would cost every forward, traced or
-not). Subclasses (LanguageModel) change how inputs are batched (`_batcher`) and what one
-run calls (`_run_model`).
+not). A wrapper composes one `Engine` (intervention/engine.py), which runs every trace;
+subclasses give it their batching strategy (LanguageModel: tokenize and left-pad) and give
+their tracers what one run calls (a forward with keywords, a generation).
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ import torch
 
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
-from ..intervention.batching import Batcher
 from ..intervention import aliases
-from ..intervention.envoy import SERVED, COLLISION_PREFIX, ROOT_CLASS, Envoy, served_collisions
-from ..intervention.interleaver import Interleaver, ModelState
+from ..intervention.batching import Batcher
+from ..intervention.engine import Engine
+from ..intervention.envoy import (
+    COLLISION_PREFIX,
+    ROOT_CLASS,
+    SERVED,
+    Envoy,
+    engine_of,
+    module_of,
+    served_collisions,
+)
 from ..intervention.session import Session, check_remote
 from ..intervention.tracer import InterleavingTracer
 
@@ -25,24 +34,21 @@ from ..intervention.tracer import InterleavingTracer
 class Model(Envoy):
     """A traceable model: `Model(module)` (alias `NNsight`), then `with model.trace(x):`."""
 
-    _edits = ()  # recorded `model.edit()` blocks, replayed by every run (see intervention/edit.py)
-
-    def __init__(self, module: torch.nn.Module, *, rename=None, envoys=None):
+    def __init__(self, module: torch.nn.Module, *, rename=None, envoys=None, _batcher=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"Model wraps a torch.nn.Module, got {type(module).__name__}; for a "
                 f"transformers repo id use interlace.LanguageModel"
             )
-        state = ModelState(module)
-        state.aliases = aliases.plan(module, rename, SERVED)
         if envoys is not None and not (isinstance(envoys, (type, dict))):
             raise TypeError(
                 f"envoys= takes an Envoy subclass or a dict {{module class or path suffix: "
                 f"Envoy subclass}}, got {type(envoys).__name__}"
             )
-        state.envoy_classes = envoys
+        engine = Engine(module, batcher=_batcher, aliases=aliases.plan(module, rename, SERVED),
+                        envoy_classes=envoys)
         object.__setattr__(self, "_options", {"rename": rename, "envoys": envoys})
-        super().__init__(module, "model", _state=state)
+        super().__init__(module, "model", _engine=engine)
         collisions = served_collisions(module)
         if collisions:
             shown = ", ".join(collisions[:3]) + (f" and {len(collisions) - 3} more" if len(collisions) > 3 else "")
@@ -65,15 +71,17 @@ class Model(Envoy):
         check_remote(remote, "model.trace")
         return InterleavingTracer(self, args, kwargs)
 
+    def wrapper_recipe(self):
+        """How to make this wrapper again elsewhere (a Ray worker): `(cls, args, kwargs,
+        loaded)`, where `cls(*args, **kwargs)` rebuilds it; `loaded` says that `args` name
+        where the weights load from (a repo id or folder) instead of holding the module."""
+        return type(self), (module_of(self),), dict(self.wrapper_options()), False
+
     def wrapper_options(self) -> dict:
         """The keywords this wrapper was made with beyond the module (`rename=`, `envoys=`):
         what a copy made elsewhere (a Ray worker) needs to look the same."""
         options = self.__dict__.get("_options", {})
         return {name: value for name, value in options.items() if value is not None}
-
-    def _trace_with(self, run, args, kwargs):
-        """A trace whose run calls `run(*batched inputs)` instead of the module (`@traceable`)."""
-        return InterleavingTracer(self, args, kwargs, run=run)
 
     def scan(self, *args, **kwargs):
         """`with model.scan(*inputs) as tracer:` - `trace` on fake tensors: no compute, no weights
@@ -122,7 +130,7 @@ class Model(Envoy):
 
     def clear_edits(self):
         """Drop every edit recorded on this wrapper (copies made from it keep theirs)."""
-        object.__setattr__(self, "_edits", ())
+        _edit.set_edits(self, ())
 
     def session(self, backend=None, remote=False, tracer_cls=None):
         """`with model.session() as session:` - several traces in one block, sharing values.
@@ -137,58 +145,17 @@ class Model(Envoy):
         return Session(self, backend=backend)
 
     def __call__(self, *args, **kwargs):
-        if self._edits and self._active() is None:
-            # an edited wrapper called directly runs its edits too (nnsight runs it unedited)
-            return self._interleave([(_noop, args, kwargs)], direct=True)
+        edits = _edit.replays(self)
+        if edits:
+            engine = engine_of(self)
+            if engine.active() is None:
+                # an edited wrapper called directly runs its edits too (nnsight runs it
+                # unedited): one call of the module on the inputs as given
+                return engine.interleave([(_noop, args, kwargs)], batcher=AS_GIVEN, edits=edits)
         return Envoy.__call__(self, *args, **kwargs)
 
-    # -- what subclasses change ------------------------------------------------------------------
 
-    def _batcher(self) -> Batcher:
-        """How invokes' inputs become one batch (LanguageModel: tokenize and left-pad)."""
-        return Batcher()
-
-    def _run_model(self, *args, **kwargs):
-        """One run of the model on the batched inputs (LanguageModel.generate overrides)."""
-        return self._module(*args, **kwargs)
-
-    def _interleave(self, invokes, run=None, backward=False, direct=False):
-        """Run the model once with one mediator per `(fn, args, kwargs)` in `invokes`.
-
-        Each `fn` is a body (normally a captured `with` block's `run_body`); with several
-        invokes their inputs are batched and each body sees only its own rows. `run` replaces
-        `_run_model` (generation); `backward=True` lets bodies use `with loss.backward():`.
-        Returns the model's return value. The wrapper's edits run first, once per invoke
-        (on its rows). `direct=True`: one call of the module on the inputs as given.
-        """
-        interleaver = Interleaver(self._state, backward)
-        # one plain call of the module: the engine hands the root's input/output over itself
-        root_call = run is None and type(self)._run_model is Model._run_model
-        if direct or len(invokes) == 1 and type(self)._batcher is Model._batcher:
-            # one input as given: nothing to batch (subclasses still prepare theirs)
-            fn, args, kwargs = invokes[0]
-            if self._edits:
-                _edit.add_edits(interleaver, self, [None])
-            interleaver.add(fn)
-            if direct:
-                return interleaver.run(self._module, args, kwargs, True)
-            return interleaver.run(run or self._run_model, args, kwargs, root_call)
-        batcher = self._batcher()
-        prepared = [batcher.prepare(args, kwargs) for _, args, kwargs in invokes]
-        args, kwargs = batcher.batch(prepared) if prepared else ((), {})
-        if len(invokes) > 1:
-            rows = batcher.slices(prepared)
-            interleaver.total = rows[-1].stop
-            if self._edits:
-                _edit.add_edits(interleaver, self, rows)
-            for i, ((fn, _, _), part) in enumerate(zip(invokes, rows)):
-                interleaver.add(fn, part, label=f"invoke {i}")
-        else:
-            if self._edits and invokes:
-                _edit.add_edits(interleaver, self, [None])
-            for fn, _, _ in invokes:
-                interleaver.add(fn)
-        return interleaver.run(run or self._run_model, args, kwargs, root_call)
+AS_GIVEN = Batcher()  # one invoke's inputs, as given (Batcher.as_given)
 
 
 def _noop():

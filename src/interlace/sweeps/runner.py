@@ -1,8 +1,8 @@
 """Grouping sweep items into batches, and running one batch as one forward pass.
 
-A batch is one `model._interleave(...)` call with one mediator per item (an `ItemBody`): the
-engine batches the items' inputs exactly as it batches invokes and shows each body only its
-own rows. What this module adds is what a sweep needs on top:
+A batch is one `Engine.interleave(...)` call with one mediator per item (an `ItemBody`): the
+engine batches the items' inputs exactly as it batches invokes (with the model's own
+batching strategy) and shows each body only its own rows. What this module adds is what a sweep needs on top:
 
 - `Job`: everything a batch needs, built once per sweep (and shipped once per Ray worker),
   and `Job.entry`, one item with its input and its *batch key*;
@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import InterlaceError
+from ..intervention.edit import replays
+from ..intervention.envoy import engine_of, module_of
 from .body import ItemBody, item_of, name_item
 from .results import compact
 
@@ -165,7 +167,8 @@ def run_batch(model, job, entries):
     """
     bodies = [ItemBody(job, entry.index, entry.item) for entry in entries]
     runs = [(body, entry.args, entry.kwargs) for body, entry in zip(bodies, entries)]
-    out = model._interleave(runs, run=job.run, backward=job.backward)
+    out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
+                                      edits=replays(model))
     saved = [compact(body.saved or {}) for body in bodies]
     if job.generate and len(bodies) > 1:
         # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
@@ -312,11 +315,12 @@ def choose_batch_size(model, job, sample, n_items=None):
     if job.generate:
         kwargs = getattr(getattr(job.run, "inner", None), "kwargs", None) or {}
         length += int(kwargs.get("max_new_tokens") or 0)
-    device = _device_of(model._module)
+    module = module_of(model)
+    device = _device_of(module)
     if device.type in ("cpu", "meta"):
         size = _CPU_TOKENS // length
     else:
-        size = min(_GPU_TOKENS // length, _rows_that_fit(model._module, device, length))
+        size = min(_GPU_TOKENS // length, _rows_that_fit(module, device, length))
     size = max(1, min(size, _MAX_ITEMS))
     if n_items is not None:
         size = min(size, max(1, n_items))

@@ -13,6 +13,7 @@ The rule every path is tested against: an item behaves as if it ran alone in its
 from __future__ import annotations
 
 from ..errors import InterlaceError
+from ..intervention.envoy import engine_of
 from ..intervention.grads import block_uses_backward
 from ..intervention.iteration import IterMixin
 from ..tracing import Backend, Tracer
@@ -73,7 +74,7 @@ class SweepTracer(IterMixin, Tracer):
         generation alone returns them (no batch padding, no steps after its own end).
         """
         body = self._body("sweep.output")
-        interleaver = self.model._active()
+        interleaver = engine_of(self.model).active()
         mediator = interleaver.mediator("sweep.output")
         value = interleaver.read(interleaver.state.result_key)
         job = body.job
@@ -83,7 +84,7 @@ class SweepTracer(IterMixin, Tracer):
         return value
 
     def _body(self, what):
-        interleaver = self.model._active()
+        interleaver = engine_of(self.model).active()
         if interleaver is None or interleaver.current is None:
             raise InterlaceError(
                 f"{what} is only available inside the body of `with model.sweep(...) as "

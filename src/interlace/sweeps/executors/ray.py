@@ -35,6 +35,8 @@ import sys
 import weakref
 
 from ...errors import InterlaceError
+from ...intervention.edit import edits_of
+from ...intervention.envoy import child_of, engine_of, module_of
 from ..runner import WINDOW, InOrder, Runner, plan_batches
 
 INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
@@ -142,7 +144,7 @@ def _actors(ray, model, workers):
     count = workers or gpus or max(1, int(resources.get("CPU", 1)))
     on_gpu = gpus > 0
     context = ray.get_runtime_context()  # a new cluster has new node ids (job ids restart)
-    key = (count, on_gpu, _fingerprint(model._module), context.get_node_id(), context.get_job_id())
+    key = (count, on_gpu, _fingerprint(module_of(model)), context.get_node_id(), context.get_job_id())
     pool = _POOLS.get(model)
     if pool is not None and pool.key == key:
         return pool.actors
@@ -269,14 +271,10 @@ def _ship(entries, shared):
 
 def _recipe(model, on_gpu):
     """How a worker rebuilds `model`: (class, args, kwargs, move the module to the GPU)."""
-    loaded = getattr(model, "_load_recipe", None)
-    if loaded is not None and len(loaded) == 3 and loaded[2]():  # weights as loaded
-        args, kwargs, _ = loaded
-        return type(model), args, kwargs, on_gpu and kwargs.get("device_map") is None
-    kwargs = dict(model.wrapper_options()) if hasattr(model, "wrapper_options") else {}
-    if getattr(model, "tokenizer", None) is not None:
-        kwargs["tokenizer"] = model.tokenizer
-    return type(model), (model._module,), kwargs, on_gpu
+    cls, args, kwargs, loaded = model.wrapper_recipe()
+    if loaded:  # rebuilt from its repo id or folder: a device_map places it already
+        return cls, args, kwargs, on_gpu and kwargs.get("device_map") is None
+    return cls, args, kwargs, on_gpu
 
 
 class _BodyPickler:
@@ -286,16 +284,17 @@ class _BodyPickler:
         from ray import cloudpickle
 
         self.model = model
-        modules = {id(m): name for name, m in model._module.named_modules()}
+        root = module_of(model)
+        modules = {id(m): name for name, m in root.named_modules()}
 
         class Pickler(cloudpickle.CloudPickler):
             def persistent_id(self, obj):
                 if obj is model:
                     return ("envoy", "")
                 if _is_envoy(obj) and _same_tree(obj, model):
-                    return ("envoy", obj._path)
+                    return ("envoy", obj.path)
                 name = modules.get(id(obj))
-                if name is not None and obj is model._module.get_submodule(name):
+                if name is not None and obj is root.get_submodule(name):
                     return ("module", name)
                 return None
 
@@ -314,11 +313,8 @@ def _is_envoy(obj):
 
 
 def _same_tree(envoy, model):
-    """Is `envoy` a node of `model`'s Envoy tree?"""
-    mine, theirs = envoy.__dict__, model.__dict__
-    if "_root" in mine:
-        return mine["_root"] is model
-    return mine.get("_state") is not None and mine.get("_state") is theirs.get("_state")
+    """Is `envoy` a node of `model`'s Envoy tree (one engine per model, shared by its tree)?"""
+    return engine_of(envoy) is engine_of(model)
 
 
 def _dump_body(sweep, job):
@@ -326,7 +322,7 @@ def _dump_body(sweep, job):
     tracer = sweep
     block = tracer.block
     namespace = dict(job.namespace)
-    frame_globals = getattr(tracer._frame, "f_globals", None) or {}
+    frame_globals = tracer.defer(job.namespace).globals or {}
     params = tuple(name for name in block.names if name in namespace)
     code = block.function_code(params, tracer)
     wanted = set(block.names) | _global_names(code)
@@ -336,7 +332,7 @@ def _dump_body(sweep, job):
             values[name] = frame_globals[name]
     settings = dict(input=job.input, kwargs=job.kwargs, run=getattr(job.run, "inner", job.run),
                     backward=job.backward, generate=job.generate, eos=job.eos)
-    edits = getattr(sweep.model, "_edits", ())  # the wrapper's `model.edit()` blocks: workers replay them too
+    edits = edits_of(sweep.model)  # the wrapper's `model.edit()` blocks: workers replay them too
     return _BodyPickler(sweep.model).dumps((tracer, values, settings, _modes(), edits))
 
 
@@ -381,7 +377,7 @@ class _ByValue:
     """
 
     def __init__(self, sweep):
-        frame_globals = getattr(sweep._frame, "f_globals", None) or {}
+        frame_globals = sweep.defer({}).globals or {}  # the caller's module globals
         module = sys.modules.get(frame_globals.get("__name__", ""))
         self.module = module if module is not None and _is_users_module(module) else None
 
@@ -433,7 +429,7 @@ class _Worker:
         cls, args, kwargs, to_gpu = recipe
         self.model = model = cls(*args, **kwargs)
         if to_gpu and torch.cuda.is_available():
-            model._module.to("cuda")
+            module_of(model).to("cuda")
         elif not torch.cuda.is_available():
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
         self.number = number
@@ -507,8 +503,8 @@ class _BodyUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         kind, path = pid
         if kind == "module":
-            return self.model._module.get_submodule(path)
+            return module_of(self.model).get_submodule(path)
         envoy = self.model
         for part in path.split(".")[1:] if path else ():
-            envoy = envoy._child(part)
+            envoy = child_of(envoy, part)
         return envoy

@@ -1,0 +1,124 @@
+"""The engine of one wrapped model: what it knows across traces, and the one way to run it.
+
+`Model`/`LanguageModel` (and a bare `Envoy(module)` root) each compose one `Engine`; every
+Envoy of the tree and every tracer of the model hold that same engine, and everything that
+runs the model - a trace, its invokes, a generation, a sweep's batch, an edited wrapper called
+directly - goes through `Engine.interleave`. What differs between those callers is passed
+in as *strategies*, not found on the model:
+
+- `batcher` (`batching.Batcher`): how several invokes' inputs become one batch and which
+  rows each invoke sees. The engine has a default (a language model's tokenizes and
+  left-pads); a call may pass another.
+- `run`: how one run calls the model on the batched inputs (a language model's forward with
+  extra keywords, its `generate`, a `@traceable` method). `None`: one plain call of the root
+  module, whose input and output the engine hands over itself (no hook on the root).
+
+The engine holds its module, never its wrapper or an Envoy (Envoys are kept weakly), so a
+wrapped model is freed by reference counting alone. One run per model at a time: two threads
+tracing one model take turns; a trace of the model inside its own running body is an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from ..errors import InterlaceError
+from .batching import Batcher
+from .interleaver import Interleaver
+from .state import ModelState
+
+_PLAIN = Batcher()
+
+
+class Engine:
+    """One wrapped model's state (locations, learned order, whose turn, the running trace)
+    and `interleave`, the single entry that runs it with bodies interleaved."""
+
+    def __init__(self, module, *, batcher=None, aliases=None, envoy_classes=None):
+        self.state = ModelState(module)
+        self.batcher = batcher if batcher is not None else _PLAIN
+        self.lock = threading.Lock()
+        self.owner = None  # thread ident of the running trace
+        self.running = None  # the running Interleaver (whatever thread runs it)
+        self.collecting = False  # a trace without inputs is running its body to find invokes
+        # The Envoy of each module index, weakly (the root's tree owns them): one Envoy per
+        # module even when two paths reach it. Aliases (rename=): {envoy path: {alias: path}}.
+        self.envoys = weakref.WeakValueDictionary()
+        self.aliases = aliases or {}
+        self.envoy_classes = envoy_classes  # Model(..., envoys=): which Envoy class wraps which module
+
+    @property
+    def module(self):
+        """The wrapped torch module (the root of the tree)."""
+        return self.state.root
+
+    def active(self):
+        """The interleaver running a trace of this model in *this* thread, if any."""
+        if self.owner == threading.get_ident():
+            return self.running
+        return None
+
+    def interleave(self, invokes, *, run=None, batcher=None, backward=False, edits=()):
+        """Run the model once with one mediator per `(fn, args, kwargs)` in `invokes`.
+
+        Each `fn` is a body (normally a captured `with` block's); with several invokes their
+        inputs are batched by `batcher` (default: the engine's) and each body sees only its
+        own rows. `run` calls the model on the batched inputs (None: the module itself);
+        `backward=True` lets bodies use `with loss.backward():`; `edits` are zero-argument
+        factories of bodies replayed before each invoke's own body, on its rows
+        (`model.edit()`). Returns the model's return value.
+        """
+        interleaver = Interleaver(self.state, backward)
+        batcher = (batcher or self.batcher).for_run(run)
+        call = self.state.root if run is None else run
+        if len(invokes) == 1 and batcher.as_given:
+            # one input as given: nothing to batch
+            fn, args, kwargs = invokes[0]
+            _add_edits(interleaver, edits, [None])
+            interleaver.add(fn)
+            return self._turn(interleaver, call, args, kwargs, run is None)
+        prepared = [batcher.prepare(args, kwargs) for _, args, kwargs in invokes]
+        args, kwargs = batcher.batch(prepared) if prepared else ((), {})
+        if len(invokes) > 1:
+            rows = batcher.slices(prepared)
+            interleaver.total = rows[-1].stop
+            _add_edits(interleaver, edits, rows)
+            for i, ((fn, _, _), part) in enumerate(zip(invokes, rows)):
+                interleaver.add(fn, part, label=f"invoke {i}")
+        else:
+            if invokes:
+                _add_edits(interleaver, edits, [None])
+            for fn, _, _ in invokes:
+                interleaver.add(fn)
+        return self._turn(interleaver, call, args, kwargs, run is None)
+
+    def _turn(self, interleaver, call, args, kwargs, root_call):
+        """Run `interleaver` once this model's turn comes (other threads' traces first)."""
+        me = threading.get_ident()
+        if not self.lock.acquire(blocking=False):
+            if self.owner == me:
+                raise InterlaceError(
+                    "this model is already being traced in this thread: a trace of the same "
+                    "model cannot start inside another one's body; trace it after the outer "
+                    "block, or wrap a second copy of the module"
+                )
+            self.lock.acquire()
+        self.owner = me
+        self.running = interleaver
+        try:
+            return interleaver.run(call, args, kwargs, root_call)
+        finally:
+            self.running = None
+            self.owner = None
+            self.lock.release()
+
+
+def _add_edits(interleaver, edits, rows_per_invoke):
+    """One mediator per edit for each invoke's rows, before the run's own bodies."""
+    if not edits:
+        return
+    for i, rows in enumerate(rows_per_invoke):
+        label = "edit" if rows is None else f"edit for invoke {i}"
+        for make in edits:
+            interleaver.add(make(), rows, label=label)
