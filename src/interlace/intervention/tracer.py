@@ -9,15 +9,15 @@ batched into one forward pass with one mediator per invoke body, each seeing its
 
 from __future__ import annotations
 
-import ast
 import builtins
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
-from ..tracing import blocks as _blocks
+from .body import BodyJob
+from .edit import replays
+from .envoy import engine_of
 from .grads import block_uses_backward
 from .iteration import IterMixin
-from .mediator import ENDED_EARLY
 
 _NOT_YET = object()
 _CPU = "cpu"  # tracer.cache's default device (a string: importing torch here is not needed)
@@ -27,11 +27,13 @@ _BUILTINS = builtins.__dict__
 class InterleavingTracer(IterMixin, Tracer):
     """`with model.trace(*inputs) as tracer:` - see the module docstring."""
 
-    def __init__(self, model, args=(), kwargs=None, run=None):
+    def __init__(self, model, args=(), kwargs=None, run=None, batcher=None):
         super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
         self.model = model
+        self.engine = engine_of(model)  # what runs it (one per model, see engine.py)
         self._deferred = None
-        self._run = run  # what one run calls (default: the model's forward)
+        self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
+        self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
         self._invokes = []
         self._collecting = False
         self._result = _NOT_YET
@@ -69,7 +71,7 @@ class InterleavingTracer(IterMixin, Tracer):
 
     def stop(self):
         """End the forward pass here; the body ends too, and what it saved so far is kept."""
-        interleaver = self.model._active()
+        interleaver = self.engine.active()
         if interleaver is None:
             raise InterlaceError("tracer.stop() works only inside the body of a running trace")
         interleaver.stop()
@@ -77,7 +79,7 @@ class InterleavingTracer(IterMixin, Tracer):
     @property
     def result(self):
         """The model's return value: inside the body it waits for the run to end."""
-        interleaver = self.model._active()
+        interleaver = self.engine.active()
         if interleaver is not None and interleaver.current is not None:
             return interleaver.read(interleaver.state.result_key)
         if self._result is _NOT_YET:
@@ -111,45 +113,7 @@ class Invoker(Tracer):
     def __init__(self, parent, args, kwargs):
         super().__init__(*args, backend=_INVOKE, **kwargs)
         self.parent = parent
-        self._deferred = None  # (frame, save state) kept for the deferred run
-        self._code = None  # the code object the body runs as (to find its frame when parked)
-        self._entry_values = {}  # the caller's values of names the body assigns, at entry
-
-    def build(self, block, params):
-        """The core's build, except that names the body only reads stay global lookups.
-
-        The core keeps the caller's unbound locals local to the body (reading one raises
-        UnboundLocalError, as inline); an invoke instead resolves a name it does not assign
-        through `_SharedGlobals`, which finds what an earlier invoke assigned (or raises
-        NameError, UnboundLocalError's base class, naming it).
-        """
-        tree = super().build(block, params)
-        function = tree.body[0]
-        last = function.body[-1]
-        if (isinstance(last, ast.If) and isinstance(last.test, ast.Constant)
-                and last.test.value == 0 and isinstance(last.body[0], ast.Assign)):
-            store = last.body[0]
-            store.targets = [t for t in store.targets if t.id in block.assigned_names]
-            if not store.targets:
-                function.body.pop()
-        return tree
-
-    def execute(self, block, namespace=None):
-        interleaver = self.parent.model._active()
-        if interleaver is None or interleaver.shared is None or self._deferred is None:
-            return super().execute(block, namespace)
-        frame, _, caller, shadowed = self._deferred
-        # Names an earlier invoke assigns are not parameters: they are looked up (through
-        # `_SharedGlobals`) in that earlier body first, and in `caller` only if it never binds them.
-        params = tuple([name for name in block.names if name in caller and name not in shadowed])
-        globals_ = _SharedGlobals(frame.f_globals, interleaver, caller)
-        function = _blocks.make_function(block.function_code(params, self), globals_)
-        self._code = function.__code__
-        # what the body's own names start as: not published until the body rebinds them
-        self._entry_values = {name: caller[name] for name in params if name in block.assigned_names}
-        result = function(*[caller[name] for name in params])
-        result.pop(_blocks.LOCALS_PARAM, None)
-        return result
+        self._deferred = None  # an `_InvokeRun` from __exit__ until the trace has run it
 
 
 class _SharedGlobals(dict):
@@ -189,52 +153,72 @@ class _InvokeBackend(Backend):
     """Registers the invoke; runs nothing yet.
 
     This is where the `with tracer.invoke(...)` stands, so the caller's names the body uses
-    are bound HERE, to the objects they refer to now (a loop variable has this iteration's
-    value; a list the caller keeps appending to stays the same list). The run comes later,
-    after the trace body has finished collecting invokes.
+    are bound HERE (`defer()`), to the objects they refer to now (a loop variable has this
+    iteration's value; a list the caller keeps appending to stays the same list). The run
+    comes later, after the trace body has finished collecting invokes.
     """
 
     def __call__(self, invoker):
-        # The core clears frame and save state when __exit__ ends: keep them for the run.
-        frame = invoker._frame
-        names = frame.f_locals
-        block = invoker.block
-        caller = {name: names[name] for name in block.names if name in names}
         earlier = invoker.parent._invokes
         assigned_before = set()
         for other in earlier:
             assigned_before.update(other.block.assigned_names)
-        shadowed = frozenset(assigned_before - block.assigned_names)
-        invoker._deferred = (frame, invoker.trace_state(), caller, shadowed)
+        shadowed = frozenset(assigned_before - invoker.block.assigned_names)
+        invoker._deferred = _InvokeRun(invoker.parent, invoker.defer(), shadowed)
         earlier.append(invoker)
+
+
+class _InvokeRun:
+    """How an invoke's deferred body runs: with variables shared between invokes when the
+    run has several bodies (`_SharedGlobals`), else as a plain body."""
+
+    __slots__ = ("parent", "body", "shadowed")
+
+    def __init__(self, parent, body, shadowed):
+        self.parent = parent
+        self.body = body
+        self.shadowed = shadowed  # names an earlier invoke assigns and this one only reads
+
+    def __call__(self):
+        body = self.body
+        interleaver = self.parent.engine.active()
+        if interleaver is None or interleaver.shared is None:
+            return body.run()
+        caller = body.namespace
+        shadowed = self.shadowed
+        # Names an earlier invoke assigns are not parameters: they are looked up (through
+        # `_SharedGlobals`) in that earlier body first, and in `caller` only if it never binds them.
+        namespace = {name: value for name, value in caller.items() if name not in shadowed} if shadowed else caller
+        return body.run(namespace, _SharedGlobals(body.globals, interleaver, caller), reads_as_globals=True)
 
 
 class _InterleavingBackend(Backend):
     def __call__(self, tracer):
-        model = tracer.model
+        engine = tracer.engine
         if tracer.args or tracer.kwargs:
             values = {}
-            tracer._result = model._interleave(
+            tracer._result = engine.interleave(
                 [(_body(tracer, values), tracer.args, tracer.kwargs)], run=tracer._run,
-                backward=block_uses_backward(tracer.block),
+                batcher=tracer._batcher, backward=block_uses_backward(tracer.block),
+                edits=replays(tracer.model),
             )
             tracer.push_result(values)
             return
-        state = model._state
         tracer._collecting = True
-        state.collecting = True
+        engine.collecting = True
         try:
             values = tracer.run_body()
         finally:
             tracer._collecting = False
-            state.collecting = False
+            engine.collecting = False
         invokes, tracer._invokes = tracer._invokes, []
         try:
             if invokes:
                 outs = [{} for _ in invokes]
                 runs = [(_body(inv, out), inv.args, inv.kwargs) for inv, out in zip(invokes, outs)]
-                tracer._result = model._interleave(
-                    runs, run=tracer._run, backward=block_uses_backward(tracer.block)
+                tracer._result = engine.interleave(
+                    runs, run=tracer._run, batcher=tracer._batcher,
+                    backward=block_uses_backward(tracer.block), edits=replays(tracer.model),
                 )
                 for out in outs:
                     values.update(out)
@@ -249,35 +233,8 @@ _INVOKE = _InvokeBackend()
 
 
 def _body(tracer, out):
-    """The mediator's job: run the captured body; keep its locals even when it ends early."""
-
-    def run():
-        deferred = getattr(tracer, "_deferred", None)
-        if deferred is not None:
-            tracer._frame, tracer._state = deferred[:2]
-        try:
-            out.update(tracer.run_body())
-        except ENDED_EARLY as signal:
-            out.update(locals_at(signal, tracer.block))
-            raise
-        finally:
-            if deferred is not None:
-                tracer._frame = tracer._state = None
-
-    run.tracer = tracer
-    run.out = out  # the body's final locals (shared with later invokes when it ends)
-    run.assigns = tracer.block.assigned_names if tracer.block is not None else frozenset()
-    return run
-
-
-def locals_at(error, block):
-    """The body's locals at the point `error` left it (stop, or an iter loop cut short)."""
-    tb = error.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename == block.filename and code.co_name == block.co_name:
-            values = dict(tb.tb_frame.f_locals)
-            values.pop(_blocks.LOCALS_PARAM, None)
-            return values
-        tb = tb.tb_next
-    return {}
+    """The mediator's job for `tracer`'s body (an invoke's was deferred when it was entered)."""
+    pending = tracer._deferred if isinstance(tracer, Invoker) else None
+    if pending is not None:
+        return BodyJob(pending.body, out, pending)
+    return BodyJob(tracer.defer(), out)
