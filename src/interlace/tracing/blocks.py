@@ -68,19 +68,30 @@ class Block:
         return f"<Block {self.filename}:{self.lineno} in {self.co_name} assigns {sorted(self.assigned_names)}>"
 
     # -- the compiled body ------------------------------------------------------------
-    def function_code(self, params, steps):
-        """The body compiled as a function of `params` (compiled once per tuple of names)."""
+    def function_code(self, params, steps, reads_as_globals=False):
+        """The body compiled as a function of `params` (compiled once per tuple of names).
+
+        `reads_as_globals`: the caller's locals the body only reads and that are not in
+        `params` are global lookups (`globalize_reads`), not unbound locals.
+        """
+        key = (params, True) if reads_as_globals else params
         try:
-            return self._functions[params]
+            return self._functions[key]
         except KeyError:
             pass
+        from . import syntax  # (the first capture imported it)
+
         with _compile_lock:
-            if params not in self._functions:
+            code = self._functions.get(key)  # (kept here: a later insertion may evict it)
+            if code is None:
                 self._ensure_statements()
-                code = steps.compile(self, steps.build(self, params))
+                tree = steps.build(self, params)
+                if reads_as_globals:
+                    tree = syntax.globalize_reads(tree, self)
+                code = steps.compile(self, tree)
                 self._register(code)
-                self._functions[params] = code
-        return self._functions[params]
+                self._functions[key] = code
+        return code
 
     def _ensure_statements(self):
         if self.statements is None:  # rebuilt after unpickling: parse our own slice again

@@ -550,6 +550,21 @@ def build(block, params):
     return ast.Module(body=[function], type_ignores=[])
 
 
+def globalize_reads(tree, block):
+    """`build`'s module with the caller's unbound locals the body only reads made global
+    lookups: drop them from the dead store that keeps them local (names the body assigns stay
+    in it). A tree of another shape (a subclass's own build) is returned as it is."""
+    function = tree.body[0] if tree.body and type(tree.body[0]) is ast.FunctionDef else None
+    last = function.body[-1] if function is not None and function.body else None
+    if (type(last) is ast.If and type(last.test) is ast.Constant and last.test.value == 0
+            and len(last.body) == 1 and type(last.body[0]) is ast.Assign):
+        store = last.body[0]
+        store.targets = [t for t in store.targets if t.id in block.assigned_names]
+        if not store.targets:
+            function.body.pop()
+    return tree
+
+
 def compile_tree(block, tree):
     """Compile under the user's filename and future flags; name it after the caller."""
     code = compile(tree, block.filename, "exec", flags=block.flags, dont_inherit=True)
