@@ -821,3 +821,34 @@ def test_reading_outside_a_trace(gpt2e):
                                              r"\.output is only available inside a "
                                              r"`with model.trace\(\.\.\.\)` block"):
         model.transformer.h[0].mlp.source.self_act_0.output
+
+
+def test_rewritten_forwards_are_bounded_and_evicted_ones_still_work(monkeypatch, tmp_path):
+    """A program that keeps making model classes does not keep every rewritten forward."""
+    monkeypatch.setattr(source_module, "_CACHE_MAX", 2)
+    monkeypatch.setattr(source_module, "_CACHE", {})
+    classes = []
+    for scale in (1, 2, 3, 4):  # four forwards, four code objects, each in its own file
+        path = tmp_path / f"scaled_{scale}.py"
+        path.write_text(textwrap.dedent(f"""
+            import torch
+
+            class Scaled(torch.nn.Module):
+                def forward(self, x):
+                    y = torch.tanh(x)
+                    return y * {scale}
+        """))
+        namespace = {}
+        exec(compile(path.read_text(), str(path), "exec"), namespace)
+        classes.append((scale, namespace["Scaled"]))
+    x = torch.randn(2, 3)
+    for _ in range(2):  # the second round finds the first classes' entries evicted
+        for scale, cls in classes:
+            model = interlace.Model(cls())
+            with torch.no_grad(), model.trace(x):
+                y = model.source.torch_tanh_0.output.save()
+                model.source.torch_tanh_0.output = y * 0 + 1
+                out = model.output.save()
+            torch.testing.assert_close(y, torch.tanh(x), rtol=0, atol=0)
+            torch.testing.assert_close(out, torch.full_like(x, float(scale)), rtol=0, atol=0)
+            assert len(source_module._CACHE) <= 2

@@ -338,7 +338,8 @@ def _child(code, name):
 
 
 _LOCK = threading.Lock()
-_CACHE = {}  # original code object -> Compiled
+_CACHE = {}  # original code object -> Compiled; the latest _CACHE_MAX (see _remember)
+_CACHE_MAX = 256
 _SWAPPED = {}  # function -> [users, its own code]: functions running rewritten code right now
 
 
@@ -355,8 +356,23 @@ def compiled_for(function, what):
                 f"{what}: .source cannot rewrite {function.__qualname__}: {why}. .source works "
                 f"on functions written in Python in a file or notebook cell"
             ) from None
-        found = _CACHE.setdefault(code, found)
+        found = _remember(_CACHE, code, found, _CACHE_MAX)
     return found
+
+
+def _remember(cache, key, value, limit):
+    """Keep `value` for `key`, dropping the oldest entries past `limit`.
+
+    The keys are forwards' code objects: a program that keeps making model classes (or
+    functions) would otherwise keep every one of them, its rewritten code and its source
+    text for good. A dropped entry is only recompiled if asked for again; a trace running
+    the rewritten code holds its own reference to it.
+    """
+    with _LOCK:
+        value = cache.setdefault(key, value)
+        while len(cache) > limit:
+            del cache[next(iter(cache))]
+    return value
 
 
 def _swap_in(function, code):
@@ -381,7 +397,8 @@ def _swap_out(function):
 # -- decorators -------------------------------------------------------------------------------
 
 
-_CALLED = {}  # code object -> names it calls directly
+_CALLED = {}  # code object -> names it calls directly; the latest _CALLED_MAX
+_CALLED_MAX = 1024
 
 
 def _called_names(function):
@@ -396,7 +413,7 @@ def _called_names(function):
         else:
             called = frozenset(n.func.id for n in ast.walk(node)
                                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
-        called = _CALLED.setdefault(code, called)
+        called = _remember(_CALLED, code, called, _CALLED_MAX)
     return called
 
 
