@@ -26,8 +26,7 @@ from ..errors import InterlaceError, OutOfOrderError
 from ..tracing import Backend, Tracer
 from .batching import origin
 from .body import BodyJob
-from .exchange import Exchange
-from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator
+from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator, _is_grad_enabled, _set_grad_enabled
 
 _original_backward = torch.Tensor.backward
 _base_grad = torch._C.TensorBase.__dict__["grad"]
@@ -168,7 +167,8 @@ class GradRun:
     def __init__(self):
         self.mediator = None
         self.hub = hotpath.Hub(0, -1, None, None, False)  # keys grow as tensors are asked for
-        self.exchange = Exchange(self.hub, self._serve)
+        self.exchange = hotpath.Exchange(_is_grad_enabled, _set_grad_enabled, message=self._message)
+        self.exchange.begin(self.hub, threading.get_ident())
         self.keys = {}  # id(hooked tensor) -> its key
         self.shapes = []  # key -> shape of the tensor last requested there (for messages)
         self.handles = []
@@ -215,13 +215,11 @@ class GradRun:
             runs.remove(self)
             self.mediator = None
 
-    def _serve(self, mediator, event):
-        """The exchange's `serve`: resume the backward body with a gradient (in a tensor hook)."""
-        mediator.event = event
-        try:
-            message = mediator.resume()
-        finally:
-            mediator.event = None
+    @staticmethod
+    def _message(mediator, message, event):
+        """The exchange's `message`: the backward body came back with anything but PARKED."""
+        if message == DONE or message == FAILED:
+            mediator._release()
         if message == FAILED:
             raise _BackwardAborted()
         if message == STOPPED:

@@ -3,13 +3,12 @@ overrides for `skip`. All of it belongs to the run and is removed at its teardow
 
 Only locations some body asked for are hooked, at the moment it asks (the model has not
 reached them yet, or the request is out of order anyway); a module nobody asked about runs
-exactly as it does outside a trace. Each hook is a thin closure around the run's event
-exchange (`exchange.py`), plus the run's policy for pending skips and observers.
+exactly as it does outside a trace. Each hook is the run's compiled event exchange
+(`exchange.py`); a location with pending skips or observers is routed to `routed` here.
 """
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -69,60 +68,34 @@ def install(run, key):
     run.hub.observe(key)
     module = state.modules[index]
     if key & 1:
-        run.handles[key] = attach(module, post_hook(run, key), False)
+        run.handles[key] = attach(module, run.post_hook(key), False)
     else:
-        run.handles[key] = attach(module, pre_hook(run, key), True)
+        run.handles[key] = attach(module, run.pre_hook(key), True)
 
 
-def pre_hook(run, key):
-    """The hook of a module input: hands `(args, kwargs)` over; returns the replacement."""
-    handoff = run.exchange.handoff
-    observers = run.observers
-    thread = run.thread
-    get_ident = threading.get_ident
+def routed(run, key, occ, value):
+    """The rest of an event at a routed key (pending skips, observers), after the count.
 
-    def hook(module, args, kwargs):
-        if run.bypass or get_ident() != thread:
-            return None
-        event = handoff(key, (args, kwargs))
-        if observers:
-            run.notify(key, (args, kwargs) if event is None else event.value)
-        if event is not None and event.replaced:
-            return event.value
-        return None
-
-    return hook
-
-
-def post_hook(run, key):
-    """The hook of a module output: applies pending skips, hands the output over; returns
-    the replacement."""
-    handoff = run.exchange.handoff
-    observers = run.observers
-    skips = run.skips
-    thread = run.thread
-    get_ident = threading.get_ident
-    index = key >> 1
-
-    def hook(module, args, output):
-        if run.bypass or get_ident() != thread:
-            return None
-        replaced = False
+    The run's compiled hooks (`hotpath.Exchange`) do everything else: a key goes through
+    here only while `run.route(key)` says it needs this policy. Returns what the hook
+    returns: the replacement of the output (or of the input's `(args, kwargs)`), or None.
+    """
+    replaced = False
+    if key & 1:
+        skips = run.skips
         if skips:
-            pending = skips.pop(index, None)
+            pending = skips.pop(key >> 1, None)
             if pending is not None:
-                for rows, value in pending:
-                    output = value if rows is None else swap(output, value, rows, run.total)
+                for rows, skipped in pending:
+                    value = skipped if rows is None else swap(value, skipped, rows, run.total)
                 replaced = True
-        event = handoff(key, output)
-        if event is not None:
-            output = event.value
-            replaced = replaced or event.replaced
-        if observers:
-            run.notify(key, output)
-        return output if replaced else None
-
-    return hook
+    event = run.deliver(key, occ, value)
+    if event is not None:
+        value = event.value
+        replaced = replaced or event.replaced
+    if run.observers:
+        run.notify(key, value)
+    return value if replaced else None
 
 
 def override_forward(run, index):

@@ -30,7 +30,6 @@ from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
 from . import compiled, grads, hooks
 from .batching import narrow, swap
-from .exchange import Exchange
 from .mediator import (
     DONE,
     FAILED,
@@ -39,6 +38,8 @@ from .mediator import (
     IterationCutShort,
     Mediator,
     StopSignal,
+    _is_grad_enabled,
+    _set_grad_enabled,
 )
 from .sharing import MISSING, WAIT, Sharing, shares
 
@@ -65,26 +66,26 @@ def _user_line(mediator):
     return "<interlace>", 0
 
 
-class Interleaver:
-    """One run of a model with its mediators (one per body / invoke)."""
+class Interleaver(hotpath.Exchange):
+    """One run of a model with its mediators (one per body / invoke).
+
+    It is its own event exchange (`exchange.py`): `hub`, `current` (the mediator running
+    now), `bypass` and `thread` are the exchange's fields, which its compiled hooks read.
+    """
 
     def __init__(self, state, backward=False):
+        super().__init__(_is_grad_enabled, _set_grad_enabled)
         self.state = state  # the model's ModelState (locations, learned order)
         self.backward = backward  # a body uses `with loss.backward():` (see grads.py)
         self.mediators = []
-        self.hub = None
-        self.exchange = None
         self.handles = {}  # key -> hook token (hooks.py)
         self.overrides = {}  # module index -> (module, previous instance forward or missing)
         self.skips = {}  # module index -> list of (rows, value) for the current occurrence
-        self.current = None
         self.serving = None  # the event being handed over (kept if a body fails or stops there)
         self.total = None  # batch rows when several invokes share the pass
-        self.thread = None
         self.done = False
         self.stopped = False
         self.failure = None
-        self.bypass = 0
         self.cut_short = []  # (message, filename, lineno) warned at the end
         self.stopper = None
         self.last_write = None  # (location, filename, lineno) of the body's latest assignment
@@ -133,7 +134,10 @@ class Interleaver:
         state = self.state
         learning = state.order is None
         self.hub = hub = hotpath.Hub(state.nkeys, 0, state.visits, state.positions, learning)
-        self.exchange = exchange = Exchange(hub, self._serve)
+        self.begin(hub, self.thread)
+        # The run's policy, called by its hooks (cleared at teardown: bound methods of self).
+        self.routed = self._routed
+        self.message = self._message
         hub.observe(state.result_key)
         if self.root_call:
             hub.observe(0)
@@ -146,6 +150,7 @@ class Interleaver:
 
         if shares(self.mediators):
             self.shared = Sharing(self.mediators)
+            self.paused = self._paused
         self._start()
         aborted = stopped = False
         result = None
@@ -153,11 +158,11 @@ class Interleaver:
             try:
                 if self.root_call:
                     root = state.root
-                    replaced = hooks.pre_hook(self, 0)(root, args, kwargs)
+                    replaced = self.pre_hook(0)(root, args, kwargs)
                     if replaced is not None:
                         args, kwargs = replaced
                     result = call(*args, **kwargs)
-                    replaced = hooks.post_hook(self, 1)(root, args, result)
+                    replaced = self.post_hook(1)(root, args, result)
                     if replaced is not None:
                         result = replaced
                 else:
@@ -181,7 +186,7 @@ class Interleaver:
                 if state.order is not None:
                     hub.position = len(state.order)  # the call is over: all of it has passed
                 try:
-                    event = exchange.handoff(state.result_key, result)
+                    event = self.deliver(state.result_key, hub.fire(state.result_key), result)
                 except (_Abort, _Stop):
                     event = self.serving  # a body failed or stopped there: keep its edits
                 if event is not None and event.replaced:
@@ -288,26 +293,30 @@ class Interleaver:
             self.stopped = True
             self.stopper = mediator
 
-    def _serve(self, mediator, event):
-        """The exchange's `serve`: hand `event` to one waiting body (model side, in a hook)."""
-        self.serving = event
-        self._resume(mediator, event)
-        if self.shared is not None or self.held or self.released:
-            self._share(mediator, event)
+    # -- the exchange's policy (model side, called by its hooks) ----------------------------
 
-    def _resume(self, mediator, event, payload=None):
-        self.current = mediator
-        mediator.event = event
-        try:
-            message = mediator.resume(payload)
-        finally:
-            mediator.event = None
-            self.current = None
-        if message != PARKED and message != DONE:
+    def _routed(self, key, occ, value):
+        return hooks.routed(self, key, occ, value)
+
+    def _message(self, mediator, message, event):
+        """A body served `event` came back with anything but PARKED."""
+        if message == DONE or message == FAILED:
+            mediator._release()
+        if message != DONE:
+            self.serving = event  # a body failed or stopped here: its edits are kept
             self._handle(mediator, message)
             if message == FAILED:
                 raise _Abort()
             raise _Stop()
+
+    def _paused(self, mediator, event):
+        if self.shared is not None or self.held or self.released:
+            self._share(mediator, event)
+
+    def _resume(self, mediator, event, payload=None):
+        message = self.resume(mediator, event, payload)
+        if message != PARKED:
+            self._message(mediator, message, event)
 
     def _share(self, mediator, event):
         """`mediator` paused or ended: publish its variables, wake bodies waiting for them
@@ -351,9 +360,8 @@ class Interleaver:
             cleanup()
         self.extensions = {}
         self.skips.clear()
-        self.hub = None
-        self.exchange = None
-        self.current = None
+        self.end()
+        self.routed = self.message = None
         self.serving = None
         self.mediators = []
         self.shared = None
@@ -395,6 +403,7 @@ class Interleaver:
         value as the model passes it on (after every body waiting there was served)."""
         self.observers.setdefault(key, []).append(fn)
         hooks.install(self, key)
+        self.route(key)
 
     def notify(self, key, value):
         """Model side (a hook): the observers of `key` see its latest occurrence's value."""
@@ -412,6 +421,7 @@ class Interleaver:
         `holder.never_filled(interleaver, mediator)`; `holder.drop(mediator)` forgets it.
         """
         self.held[mediator] = holder
+        self.paused = self._paused
         mediator.event = None
         mediator.wait(PARKED)
 
@@ -445,7 +455,7 @@ class Interleaver:
             hooks.install(self, within)
         state = self.state
         base = state.add_locations(owner, names)
-        self.exchange.grow(state.nkeys, state.visits, state.positions)
+        self.grow(state.nkeys, state.visits, state.positions)
         hub = self.hub
         for key in range(base, base + len(names)):
             hub.observe(key)
@@ -453,7 +463,7 @@ class Interleaver:
 
     def handoff(self, key, value):
         """Model side: location `key` happens with `value`; the value, as bodies left it."""
-        event = self.exchange.handoff(key, value)
+        event = self.deliver(key, self.hub.fire(key), value)
         return value if event is None else event.value
 
     # -- requests (body side) ---------------------------------------------------------------
@@ -525,6 +535,7 @@ class Interleaver:
         if mediator.rows is None and len(self.mediators) == 1:
             hooks.override_forward(self, index)
         hooks.install(self, 2 * index + 1)
+        self.route(2 * index + 1)  # its post-hook applies the pending skip (hooks.routed)
         self.request(2 * index, mediator)
         self.skips.setdefault(index, []).append((mediator.rows, value))
         self.skipped = True

@@ -23,11 +23,11 @@ from ..tracing.save import current as _trace_running
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
-# Messages a worker sends back to the side that resumed it.
-PARKED = 1  # the body waits for a value (it is in the hub's table)
-DONE = 2  # the body returned; mediator.result holds its return value
-FAILED = 3  # the body raised; mediator.error holds the exception
-STOPPED = 4  # the body called tracer.stop()
+# Messages a worker sends back to the side that resumed it (the hot path's, which reads them).
+PARKED = hotpath.PARKED  # the body waits for a value (it is in the hub's table)
+DONE = hotpath.DONE  # the body returned; mediator.result holds its return value
+FAILED = hotpath.FAILED  # the body raised; mediator.error holds the exception
+STOPPED = hotpath.STOPPED  # the body called tracer.stop()
 
 
 class Cancelled(BaseException):
@@ -85,11 +85,14 @@ def _new_worker():
     return worker
 
 
-class Mediator:
-    """One body, its iteration pointer, and the event it is being served right now."""
+class Mediator(hotpath.MediatorCore):
+    """One body, its iteration pointer, and the event it is being served right now.
 
-    __slots__ = ("fn", "index", "rows", "pointer", "worker", "event", "result", "error",
-                 "finished", "body_grad", "label")
+    The fields the event exchange switches on (index, rows, pointer, worker, event,
+    body_grad, finished) are `hotpath.MediatorCore`'s; only the others are slots here.
+    """
+
+    __slots__ = ("fn", "result", "error", "label")
 
     def __init__(self, fn, index=0, rows=None, label="trace body"):
         self.fn = fn
