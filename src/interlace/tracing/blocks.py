@@ -51,15 +51,19 @@ class Block:
       to intercept: runs inline), co_name, kind ("function", "class" or "module").
     """
 
-    __slots__ = (
+    _FIELDS = (
         "filename", "lineno", "end_lineno", "first_body_line", "same_line", "first_is_try",
         "assigned_names", "names", "declared_global", "item_index", "n_items", "passonly",
         "co_name", "co_qualname", "kind", "flags", "node", "statements", "source_lines",
-        "first_line", "caller_locals", "skip_plan", "callables", "_functions",
+        "first_line", "caller_locals", "callables", "_functions",
     )  # fmt: skip
+    # Weakly referable: the warm-site record the frame mechanism keeps on the code object
+    # (frames.register_site) must not keep a Block, whose body functions hold the globals
+    # that hold that code, alive past BLOCKS.
+    __slots__ = _FIELDS + ("__weakref__",)
 
     def __init__(self, **facts):
-        for name in self.__slots__:
+        for name in self._FIELDS:
             setattr(self, name, facts.get(name))
         self._functions = _Recent(FUNCTIONS_LIMIT)  # params -> code
         self.callables = _Recent(FUNCTIONS_LIMIT)  # (params, id(globals)) -> function (holds the globals)
@@ -117,12 +121,12 @@ class Block:
 
     # -- pickling: keep the facts and the source, drop the AST and compiled code -------
     def __getstate__(self):
-        state = {name: getattr(self, name) for name in self.__slots__}
-        state.update(node=None, statements=None, skip_plan=None, callables=None, _functions=None)
+        state = {name: getattr(self, name) for name in self._FIELDS}
+        state.update(node=None, statements=None, callables=None, _functions=None)
         return state
 
     def __setstate__(self, state):
-        for name in self.__slots__:
+        for name in self._FIELDS:
             setattr(self, name, state.get(name))
         self._functions = _Recent(FUNCTIONS_LIMIT)
         self.callables = _Recent(FUNCTIONS_LIMIT)
