@@ -6,7 +6,9 @@
 
 A subclass customises the small steps `parse` (find the With node), `build` (the AST to
 compile), `compile` (AST -> code) and `execute` (run the code), or passes another `Backend`.
-Subclasses that override parse/build/compile get their own capture cache entries.
+Subclasses that override parse/build/compile get their own capture cache entries. A backend
+runs the body now (`run_body`, `push_result`) or takes a `DeferredBody` to run later
+(`defer`). docs/tracer.md is the contract for both.
 
 `async with Tracer():` works like `with` (in a coroutine): `__aenter__`/`__aexit__` do the
 same work at once and return an awaitable that is already done, so the coroutine never
@@ -20,12 +22,16 @@ every error leaving them and add no frame: the traceback has no interlace frame 
 the twin the one Python `__exit__` (or `__aexit__`) frame that re-raises stays (CPython
 always records the frame that raises); pytest and IPython hide it (`__tracebackhide__`).
 
-Warm path: on the native path `Tracer.__enter__`/`__exit__` (and `__aenter__`/`__aexit__`)
-are C methods (`_cframes.tracer_methods`) that do only mechanism: for a site already captured and planned
-they look the Block up in BLOCKS, arm/disarm on skip's stack and call the backend, with no
-Python frame of ours. Everything else (a miss, a cached refusal, a pass-only body, a
-subclass's `__enter__` calling `super().__enter__()`, any exception, a backend error) goes to
-the Python methods below, which are the whole policy and, on the twin, the methods themselves.
+Warm path: the policy (the Python `__enter__` below) captures and plans a site once, then
+registers what it decided with the frame mechanism (`frames.register_site`: Block, SkipPlan,
+arm arguments, kept on the code object). On the native path `Tracer.__enter__`/`__exit__`
+(and `__aenter__`/`__aexit__`) are C methods (`_cframes.tracer_methods`) that serve a
+registered site by mechanism alone: set the per-run fields (C fields of `frames.TracerBase`,
+read and written by offset, never by attribute name), arm/disarm on C's own per-thread armed
+stack and call the backend, with no Python frame of ours. Everything else (a site not yet
+registered for this tracer type, a cached refusal, any exception but our skip signal, a
+backend error) goes to the Python methods below, which are the whole policy and, on the twin,
+the methods themselves (reading the same registered record).
 """
 
 from __future__ import annotations
@@ -37,20 +43,22 @@ from .. import _native
 from ..errors import InterlaceError
 from . import blocks, skip
 from .backend import Backend
-from .blocks import BLOCKS, Block, _Refusal
+from .blocks import BLOCKS, Block
+from .deferred import DeferredBody
+from .deferred import defer as _defer
 from .save import _CURRENT, TraceState
 from .save import enter_body as _enter_body
 from .save import exit_body as _exit_body
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STEPS = ("parse", "build", "compile")
-# ids of Tracer.__enter__ and of every subclass's own __enter__ (kept alive by their classes):
-# frames running them are skipped when looking for the user's frame, so that a subclass may
-# override __enter__ and call super().__enter__().
-_ENTER_CODE_IDS: set = set()
+_frames = _native.frames
+# The fields frames.TracerBase keeps (C fields natively): a class attribute of the same name
+# in a subclass would hide the field from Python while C kept using it.
+_FIELDS = ("args", "kwargs", "block", "backend", "_frame", "_plan", "_parent", "_state", "_armed")
 
 
-class Tracer:
+class Tracer(_frames.TracerBase):
     """Capture the body of `with Tracer(...):`, skip it, and run it through a backend.
 
     `args`/`kwargs` are kept for subclasses (e.g. a model's inputs). `backend=None` means the
@@ -58,76 +66,86 @@ class Tracer:
     """
 
     _capture_key = None  # None: the default steps; a subclass overriding them: the class
-    # Per-run state, reset by __exit__ (class-level defaults keep __init__ short):
-    block: Block | None = None
-    _frame = None  # the caller's frame while the trace runs
-    _plan = None  # its skip plan (None for pass-only bodies: they run inline)
-    _parent = None  # the enclosing trace's state when nested, read at __enter__
-    _state = None  # this trace's TraceState, made when the body first runs
+    # Per-run state lives in frames.TracerBase's fields (_FIELDS), None until set: `block`,
+    # `backend`, `_frame` (the caller's frame while the trace runs), `_plan` (its SkipPlan; None
+    # for pass-only bodies, which run inline), `_parent` (the enclosing trace's state, read at
+    # __enter__), `_state` (this trace's TraceState, made when the body first runs), `_armed`
+    # (the armed skip between __enter__ and __exit__). __exit__ resets all but `block`/`backend`.
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        _check_fields(cls)
         overrides = any(getattr(cls, name) is not getattr(Tracer, name) for name in _STEPS)
         cls._capture_key = cls if overrides else None
         enter = cls.__dict__.get("__enter__")
         if enter is not None and hasattr(enter, "__code__"):
-            _ENTER_CODE_IDS.add(id(enter.__code__))
+            _frames.look_past(enter.__code__)  # its frame is walked past to find the user's
 
-    def __init__(self, *args, backend=None, **kwargs):
-        self.args = args
-        self.kwargs = kwargs
-        self.backend = _DEFAULT_BACKEND if backend is None else backend
+    # __init__(self, *args, backend=None, **kwargs) is TracerBase's (C on the native path, so
+    # that making a tracer runs no Python frame): it keeps `args`/`kwargs` for subclasses and
+    # stores the default `Backend()` for backend=None.
 
-    # -- the with protocol (hot path: a warm capture is one dict lookup) --------------------
-    # On the native path these two are replaced (below the class) by C methods that do a
-    # warm site's lookup, arm, disarm and backend call themselves and call these for the
-    # rest; `caller` and `_fired` are how they pass on what they already did.
+    # -- the with protocol: the policy ----------------------------------------------------
+    # On the native path these two are replaced (below the class) by C methods that serve a
+    # registered site themselves (fields, arm, disarm, backend call) and call these for the
+    # rest; `caller` and `_fired` are how they pass on what they already did. On the twin
+    # these are the methods, and the registered record is their warm path.
     def __enter__(self, caller=None):
-        frame = _getframe(1) if caller is None else caller
+        frame = _user_frame(_getframe(1) if caller is None else caller)  # past subclass __enter__s
+        if self._armed is not None:
+            raise InterlaceError(
+                f"{frame.f_code.co_filename}:{frame.f_lineno}: this tracer is already entered by a "
+                f"`with` that has not exited (at {self.block.filename}:{self.block.lineno}); "
+                f"use a new tracer for each with block"
+            ).with_traceback(None)
+        site = _site(frame.f_code, frame.f_lasti, type(self))
+        if site is None:
+            try:
+                site = self._decide(frame)
+            except InterlaceError as error:
+                __tracebackhide__ = True  # noqa: F841 - pytest/IPython: show the user's line
+                raise error.with_traceback(None)  # capture and the skip's analysis are ours
+        block, plan, arm_args = site
+        self.block = block
+        self._parent = _current_get()
+        self._frame = frame
+        self._plan = plan
+        if plan is not None:
+            self._armed = _arm(frame, *arm_args)  # last: no Python code of ours runs after it
+        return self
+
+    def _decide(self, frame):
+        """The policy for a site not yet registered for this tracer type: capture its Block
+        (memoised per site in BLOCKS), plan its skip (memoised in skip), and register both
+        with the frame mechanism, which serves the site from then on."""
         code = frame.f_code
-        if id(code) in _ENTER_CODE_IDS:  # a subclass's __enter__ called super().__enter__()
-            while id(code) in _ENTER_CODE_IDS:
-                frame = frame.f_back
-                code = frame.f_code
-        entry = _blocks_get((id(code), frame.f_lasti, self._capture_key))
+        key = self._capture_key
+        entry = _blocks_get((id(code), frame.f_lasti, key))
         if entry is not None and entry[1].__class__ is Block:  # entry[0] is code: ids stay unique
             block = entry[1]
         else:
-            try:
-                block = blocks.capture(frame, self, self._capture_key)
-            except InterlaceError as error:
-                __tracebackhide__ = True  # noqa: F841 - pytest/IPython: show the user's line
-                raise error.with_traceback(None)  # the capture internals are ours, not the user's
-        self.block = block
-        self._parent = _current_get()
-        if block.passonly:
-            self._frame = frame
-            return self
-        plan = block.skip_plan  # one plan per (code, instruction), like the block itself
-        if plan is None or plan.__class__ is _Refusal:
-            try:
-                plan = _plan(frame, block)
-            except InterlaceError as error:
-                __tracebackhide__ = True  # noqa: F841
-                raise error.with_traceback(None)  # the skip's analysis is ours, not the user's
-        self._frame = frame
-        self._plan = plan
-        skip.arm(frame, plan)
-        return self
+            block = blocks.capture(frame, self, key)
+        plan = None if block.passonly else skip.plan(frame, block)
+        arm_args = None if plan is None else plan.arm_args
+        _frames.register_site(code, frame.f_lasti, type(self), block, plan, arm_args)
+        return block, plan, arm_args
 
     def __exit__(self, exc_type, exc, tb, _fired=None):
         plan = self._plan
+        armed = self._armed
         try:
+            if armed is not None:
+                self._armed = None
+                _fired = _disarm(armed)  # first: restores any tracer state at once
             if plan is not None:
                 if exc_type is None:
-                    if not (skip.disarm(plan) if _fired is None else _fired):
+                    if not _fired:
                         raise InterlaceError(
                             f"{self.block.filename}:{self.block.lineno}: internal error: the body of this "
                             f"with block ran inline (the skip did not fire); the backend was not run so "
                             f"that the body does not run twice. Please report this with your Python version."
                         )
-                elif not skip.suppresses(plan, exc_type, exc):
-                    skip.disarm(plan)
+                elif not skip.suppresses(exc_type):
                     return False  # the user's own error (e.g. in the `as` binding): not ours
             elif exc_type is not None:
                 return False
@@ -147,7 +165,7 @@ class Tracer:
     # (the twin's; natively C methods, which add no frame). The coroutine must not suspend
     # between __aenter__ arming the skip and the body start, nor before __aexit__'s result.
     def __aenter__(self):
-        return _Ready(self.__enter__())  # __enter__ looks past this frame (_ENTER_CODE_IDS)
+        return _Ready(self.__enter__())  # __enter__ looks past this frame (frames.look_past)
 
     def __aexit__(self, exc_type, exc, tb):
         try:
@@ -175,6 +193,19 @@ class Tracer:
             return self.execute(self.block, namespace)
         finally:
             _exit_body(token)
+
+    def defer(self, namespace=None, *, state=None) -> DeferredBody:
+        """A handle to run the body later, anywhere: `run()`, `push()`, `locals_at()`,
+        `paused_values()` (see `interlace.tracing.deferred`). Call it in the backend, while
+        `__exit__` runs: the caller's names the body uses are bound now (a loop variable
+        keeps this iteration's value).
+
+        `namespace`: bind these names instead (required on a tracer rebuilt from a pickle,
+        which has no caller; it then serves as the globals too). `state`: the `TraceState`
+        the body saves into (default: this trace's; a fresh `TraceState(None)` makes a run
+        behave as its own top-level trace).
+        """
+        return _defer(self, namespace, state)
 
     def push_result(self, values: dict) -> None:
         """Write the body's results into the caller: all of them when nested, else the saved."""
@@ -235,22 +266,20 @@ class Tracer:
 
     # -- pickling: no backend, no AST, no per-run state -----------------------------------
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state.update(backend=None, _frame=None, _plan=None, _state=None, _parent=None)
+        state = self.__dict__.copy()  # (natively TracerBase's fields are not in __dict__)
+        state.update(args=self.args, kwargs=self.kwargs, block=self.block, backend=None,
+                     _frame=None, _plan=None, _state=None, _parent=None, _armed=None)
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        for name, value in state.items():
+            setattr(self, name, value)  # the per-run fields are TracerBase fields
         if self.backend is None:
             self.backend = Backend()
 
     def __repr__(self):
         where = f" at {self.block.filename}:{self.block.lineno}" if self.block is not None else ""
         return f"<{type(self).__name__}{where}>"
-
-
-_ENTER_CODE_IDS.add(id(Tracer.__enter__.__code__))
-_ENTER_CODE_IDS.add(id(Tracer.__aenter__.__code__))
 
 
 class _Ready:
@@ -270,21 +299,26 @@ _DEFAULT_BACKEND = Backend()  # stateless: one instance serves every tracer
 _getframe = sys._getframe
 _blocks_get = BLOCKS.get
 _current_get = _CURRENT.get
+_site = _frames.site
+_user_frame = _frames.user_frame
+_arm = _frames.arm
+_disarm = _frames.disarm
 _make_function = blocks.make_function
 _LOCALS_PARAM = blocks.LOCALS_PARAM
 
 
-def _plan(frame, block):
-    """Ask the skip for a plan once per block; its refusal is cached like capture's."""
-    plan = block.skip_plan
-    if plan is None:
-        try:
-            plan = block.skip_plan = skip.plan(frame, block)
-        except InterlaceError as error:
-            block.skip_plan = _Refusal(type(error), str(error))
-            raise error.with_traceback(None)
-        return plan
-    raise plan.error()
+def _check_fields(cls) -> None:
+    """Refuse a Tracer class that defines a per-run field at class level: the attribute would
+    hide the TracerBase field from Python code while the warm path kept using the field."""
+    clash = [name for name in _FIELDS if name in cls.__dict__]
+    if clash:
+        caller = sys._getframe(2)  # the `class` statement (through __init_subclass__)
+        raise TypeError(
+            f"{caller.f_code.co_filename}:{caller.f_lineno}: {cls.__qualname__} defines "
+            f"{', '.join(clash)} at class level, which would hide the tracer's per-run "
+            f"field{'s' if len(clash) > 1 else ''} of that name; set "
+            f"{'them' if len(clash) > 1 else 'it'} in __init__, or use another name"
+        )
 
 
 def _internal(tb) -> bool:
@@ -315,14 +349,17 @@ def _clean(error: BaseException, signal) -> None:
             link = link.__context__
 
 
-# The warm path in C (the twin returns the Python methods unchanged): the mechanism of a warm
-# site (lookup in BLOCKS, arm/disarm on skip's stack, the backend call) without a Python
-# frame; the methods above stay the policy for everything else. Every error leaving the C
-# methods goes through `_clean` first, so its traceback has no interlace frame.
-# (The module keeps the Python methods alive: their code ids are in _ENTER_CODE_IDS.)
+# The warm path in C (the twin returns the Python methods unchanged): the mechanism of a
+# registered site (per-run fields, arm/disarm, the backend call) without a Python frame; the
+# methods above stay the policy for everything else. Every error leaving the C methods goes
+# through `_clean` first, so its traceback has no interlace frame. The policy's own frames
+# (the twin's __enter__ called from __aenter__) are walked past like a subclass's __enter__.
+_check_fields(Tracer)
 _policy_enter, _policy_exit = Tracer.__enter__, Tracer.__exit__  # (benchmarks and tests use them)
 _policy_aenter, _policy_aexit = Tracer.__aenter__, Tracer.__aexit__
-Tracer.__enter__, Tracer.__exit__, Tracer.__aenter__, Tracer.__aexit__ = _native.frames.tracer_methods(
-    Tracer, _policy_enter, _policy_exit, _policy_aenter, _policy_aexit, _clean, BLOCKS, Block,
-    skip.SkipPlan, _ENTER_CODE_IDS, skip._local, _CURRENT,
+_frames.look_past(_policy_enter.__code__)
+_frames.look_past(_policy_aenter.__code__)
+Tracer.__enter__, Tracer.__exit__, Tracer.__aenter__, Tracer.__aexit__ = _frames.tracer_methods(
+    Tracer, _policy_enter, _policy_exit, _policy_aenter, _policy_aexit, _clean, _CURRENT,
+    _DEFAULT_BACKEND,
 )
