@@ -302,7 +302,6 @@ def test_no_package_imports_a_layer_above_it(tree):
     assert not problems, "imports against the layering:\n" + "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 8: private reaches being removed")
 def test_no_private_reaches_across_packages(tree):
     problems = private_violations(tree)
     assert not problems, "private names used outside the package that defines them:\n" + "\n".join(problems)

@@ -163,8 +163,6 @@ def test_a_multi_item_body_is_described_exactly_as_long_as_its_code_lives(cells,
     assert set(ours) <= held
 
 
-@pytest.mark.xfail(strict=False, reason="issue 8: the warm-site records (frames.register_site) and the skip's "
-                   "per-code facts must not keep a dropped site's code and Block alive")
 def test_a_dropped_site_lets_its_code_and_block_go(cells, small):
     """Once the program drops a cell's function and BLOCKS drops its site, nothing of ours keeps
     the code object (or the Block, its compiled body, the cell's globals) alive."""

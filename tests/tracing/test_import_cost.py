@@ -42,7 +42,6 @@ def test_import_loads_no_heavy_module(code):
     assert not heavy, f"`{code}` loads {heavy}: import them where they are first needed"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 8: tracing/skip.py's SkipPlan dataclass (imports inspect) is being replaced")
 @pytest.mark.parametrize("code", ["import interlace", "from interlace import Tracer, save"])
 def test_import_loads_no_parser(code):
     loaded = loaded_by(code)
