@@ -447,3 +447,17 @@ def test_the_harness_leaves_no_body_suspended(hp):
     assert worker and not worker.dead
     h.close()
     assert worker.dead
+
+
+def test_the_engines_mediator_does_not_hide_the_fields_the_exchange_reads():
+    """A slot named like a MediatorCore field would hide it: C would read the field while
+    Python wrote the slot (the mediator would never see its events)."""
+    from interlace._native import hotpath
+    from interlace.intervention.mediator import Mediator
+
+    assert issubclass(Mediator, hotpath.MediatorCore)
+    core = {"index", "rows", "pointer", "worker", "event", "body_grad", "finished"}
+    assert core.isdisjoint(Mediator.__slots__)
+    mediator = Mediator(lambda: None, index=3)
+    # the base's own descriptor sees what the subclass's __init__ wrote
+    assert hotpath.MediatorCore.index.__get__(mediator, Mediator) == 3
