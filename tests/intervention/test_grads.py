@@ -114,3 +114,26 @@ def test_grad_of_a_tensor_without_grad(mlp_model, x6):
             with loss.backward():
                 h0.grad
     _patches_gone()
+
+
+def test_the_backward_check_does_not_keep_blocks_alive():
+    """The per-Block answer goes with the Block (which holds the caller's globals)."""
+    import ast
+    import gc
+    import weakref
+
+    from interlace.intervention import grads
+
+    class FakeBlock:  # what block_uses_backward reads of a Block
+        def __init__(self, source):
+            self.statements = ast.parse(source).body
+
+    uses = FakeBlock("with loss.backward():\n    g = x.grad\n")
+    plain = FakeBlock("y = x + 1\n")
+    assert grads.block_uses_backward(uses) is True
+    assert grads.block_uses_backward(plain) is False
+    assert grads.block_uses_backward(uses) is True  # from the cache
+    gone = weakref.ref(uses)
+    del uses
+    gc.collect()
+    assert gone() is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dis
 import sys
 import threading
+import weakref
 
 import torch
 from greenlet import getcurrent
@@ -56,7 +57,9 @@ def followed_by_with(frame) -> bool:
     return answer
 
 
-_uses_backward: dict = {}
+# Block -> does its body use `with ....backward():`; weak, so the answer goes with the Block
+# (a Block holds the caller's globals through its compiled body functions).
+_uses_backward = weakref.WeakKeyDictionary()
 
 
 def block_uses_backward(block) -> bool:
@@ -67,9 +70,11 @@ def block_uses_backward(block) -> bool:
     lookup pays for, so a trace that does not need it must not install it. The `with` has to
     be in the body itself (a helper function's `with loss.backward():` is not seen).
     """
-    entry = _uses_backward.get(id(block))
-    if entry is not None and entry[0] is block:
-        return entry[1]
+    if block is None:
+        return False
+    found = _uses_backward.get(block)
+    if found is not None:
+        return found
     import ast
 
     found = False
@@ -81,7 +86,7 @@ def block_uses_backward(block) -> bool:
                     if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                             and call.func.attr == "backward"):
                         found = True
-    _uses_backward[id(block)] = (block, found)
+    _uses_backward[block] = found
     return found
 
 
