@@ -321,12 +321,9 @@ def _keys(c: _Code, i: int) -> list:
     arg = c.args[i]
     if name == V.CHECKED_LOAD:
         name = V.UNCHECKED_LOAD
-    if name == "LOAD_FAST_LOAD_FAST":
-        return [("LOAD_FAST", arg >> 4), ("LOAD_FAST", arg & 15)]
-    if name == "STORE_FAST_LOAD_FAST":
-        return [("STORE_FAST", arg >> 4), ("LOAD_FAST", arg & 15)]
-    if name == "STORE_FAST_STORE_FAST":
-        return [("STORE_FAST", arg >> 4), ("STORE_FAST", arg & 15)]
+    halves = V.fused_halves(name, arg)
+    if halves:
+        return list(halves)
     if c.instrs[i].has_jump():
         return [(name, c.target(i))]
     if name == "LOAD_CONST":
