@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
 from . import baseline as B
 from . import contenders as C
-from . import measure, report, subjects, workloads
+from . import measure, report, runs, subjects, workloads
 
 
 def parse(argv):
@@ -42,8 +43,13 @@ def parse(argv):
                    help="also measure interlace as it was at this git ref (built in place): before/after in one run")
     p.add_argument("--baseline-dir", default=None, metavar="DIR",
                    help="where REF's tree is exported and built (default: build/, reused across runs)")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="the whole measurement N times, fresh workers each time: medians of the per-run "
+                        "figures, with their spread (min-max)")
     p.add_argument("--json", default=None, help="where to write the figures")
     o = p.parse_args(argv)
+    if o.runs < 1:
+        p.error(f"--runs {o.runs}: at least 1")
     device = "cuda" if o.device.startswith("cuda") else "cpu"
     o.dtype = o.dtype or ("bfloat16" if device == "cuda" else "float32")
     o.threads = o.threads if o.threads is not None else (1 if device == "cpu" else 0)
@@ -94,38 +100,63 @@ def progress(text: str) -> None:
 
 
 def timed(w, cases, active, settings, o) -> dict:
-    """A timed workload: each case's contenders checked against the floor, then timed together."""
+    """A timed workload: each case's contenders checked against the floor, then timed together.
+
+    A contender in a worker process (the twin, the baseline, this tree's interlace beside a
+    baseline) is compared with the floor and the raw forward timed in its own process, in the
+    same rounds (`own_floor_us`), never with this process's: see measure's docstring."""
     rounds = max(2, round(o.repeats * w.rounds))
     warmup = max(1, rounds // 10)
     out = {"title": w.title, "goal": w.goal, "floor": cases[0].floor if cases else "hooks", "cases": {}}
     for case in cases:
         progress(f"{w.name}: {case.label} ({rounds} rounds)")
-        runners, results, failed = {}, {}, {}
+        runners, results, failed, remote = {}, {}, {}, []
         for c in active:
             try:
                 r = measure.runner(c, case.op, case.shape, case.args, settings)
                 if r is None:
                     continue
                 result = r.result()
+                own = {}
+                if isinstance(c, measure.RemoteContender):  # its floor, timed in its own process
+                    for who in dict.fromkeys((case.floor, "raw")):
+                        mine = c.runner(case.op, case.shape, case.args, who=who)
+                        if mine is not None:
+                            own[f"{c.name}/{who}"] = mine
             except Exception as error:  # noqa: BLE001 - one contender failing a case is reported, not fatal
-                failed[c.name] = {"error": f"{type(error).__name__}: {error}"}
+                failed[c.name] = {"error": f"{type(error).__name__}: {error}".strip().splitlines()[-1]}
                 progress(f"  {c.label} failed: {failed[c.name]['error'][:300]}")
                 continue
             runners[c.name] = r
+            runners.update(own)
+            if own:
+                remote.append(c.name)
             if c.name != "raw" or case.floor == "raw":
                 results[c.name] = result
             del result
         checks = measure.agree(results, case.floor, loose=frozenset({"tlens"}))
         del results
         times = measure.interleaved(runners, rounds, warmup)
-        rows = measure.summarize(times, case.floor, case.per_call)
+        here = {name: ts for name, ts in times.items() if name not in remote and "/" not in name}
+        rows = measure.summarize(here, case.floor, case.per_call)
+        for name in remote:
+            floor, raw = times.get(f"{name}/{case.floor}"), times.get(f"{name}/raw")
+            mine = {name: times[name], **({"floor": floor} if floor else {})}
+            rows[name] = {**measure.summarize(mine, "floor", case.per_call)[name], "own_floor_us":
+                          statistics.median(floor) / 1e3 / case.per_call if floor else None}
+            if raw and case.floor != "raw":
+                above = measure.summarize({name: times[name], "floor": floor or raw, "raw": raw}, "raw",
+                                          case.per_call)
+                rows[name]["over_raw_us"] = above[name]["overhead_us"]
+                rows[name]["own_floor_over_raw_us"] = above["floor"]["overhead_us"]
         for name, (ok, diff) in checks.items():
             rows[name].update(agrees=ok, max_diff=diff)
-        if "raw" in times and case.floor != "raw":  # above the bare forward of the same round
-            for name, row in measure.summarize(times, "raw", case.per_call).items():
+        if "raw" in here and case.floor != "raw":  # above the bare forward of the same round
+            for name, row in measure.summarize(here, "raw", case.per_call).items():
                 rows[name]["over_raw_us"] = row["overhead_us"]
         if "baseline" in times and "interlace" in times:
-            # after / before, round by round: both ran in every round, so a burst of load hits both
+            # after / before, round by round: both ran in every round, so a burst of load hits
+            # both; beside a baseline both run in worker processes of the same kind
             rows["interlace"]["vs_baseline"] = measure.summarize(
                 {"a": times["interlace"], "b": times["baseline"]}, "b")["a"]["ratio"]
         out["cases"][case.label] = {**rows, **failed}
@@ -151,30 +182,33 @@ def peak(w, cases, active, settings) -> dict:
             "peak": {n: None if v is None else v - base for n, v in values.items()}}
 
 
-def baseline_contender(o, settings):
-    """(contender, info) for --baseline REF: its tree exported and built, its worker started;
-    when any step fails, a contender that is unavailable with one line saying why."""
-    label = f"interlace@{o.baseline} (native)"
-    made = B.prepare(o.baseline, measure.ROOT, o.baseline_dir, log=progress)
-    if isinstance(made, str):
-        return measure.RemoteContender(None, "baseline", label, reason=made), {"ref": o.baseline, "skipped": made}
-    info = {"ref": made.ref, "sha": made.sha, "tree": made.tree, "label": made.label}
-    progress(f"starting the baseline's worker process ({made.label})")
+def native_worker(settings, src, label, name):
+    """(contender, None) for a worker running the interlace at `src` on its compiled
+    extension, or (an unavailable contender, why) when it cannot start or loads another one."""
     try:
-        worker = measure.Worker(settings, src=made.src)
+        worker = measure.Worker(settings, src=src)
     except (RuntimeError, OSError) as error:
         why = f"its worker process failed to start: {str(error).strip().splitlines()[-1]}"
-        return measure.RemoteContender(None, "baseline", made.label, reason=why), {**info, "skipped": why}
+        return measure.RemoteContender(None, name, label, reason=why), why
     got = worker.info
     why = None
-    if not os.path.realpath(got["file"]).startswith(os.path.realpath(made.src) + os.sep):
-        why = f"its worker imported interlace from {got['file']}, not from {made.src}"
+    if not os.path.realpath(got["file"]).startswith(os.path.realpath(src) + os.sep):
+        why = f"its worker imported interlace from {got['file']}, not from {src}"
     elif not got["native"]:
         why = "its worker loaded the pure-Python twin, not the compiled extension"
     if why:
         worker.close()
-        return measure.RemoteContender(None, "baseline", made.label, reason=why), {**info, "skipped": why}
-    return measure.RemoteContender(worker, "baseline", made.label), info
+        return measure.RemoteContender(None, name, label, reason=why), why
+    return measure.RemoteContender(worker, name, label), None
+
+
+def prepare_baseline(o) -> dict:
+    """--baseline REF's tree exported and built (once for all runs): its info, with `skipped`
+    saying why when it cannot be had."""
+    made = B.prepare(o.baseline, measure.ROOT, o.baseline_dir, log=progress)
+    if isinstance(made, str):
+        return {"ref": o.baseline, "skipped": made, "label": f"interlace@{o.baseline} (native)"}
+    return {"ref": made.ref, "sha": made.sha, "tree": made.tree, "label": made.label, "src": made.src}
 
 
 def main(argv=None) -> int:
@@ -184,24 +218,19 @@ def main(argv=None) -> int:
     wanted = set(o.contenders.split(",")) if o.contenders else None
     if wanted is not None and o.baseline:
         wanted.add("baseline")  # asked for by name
-
-    everyone, workers, baseline = [C.Raw(), C.Hooks()], [], None
-    try:
-        if o.baseline:
-            contender, baseline = baseline_contender(o, settings)
-            everyone.append(contender)
-            if contender.worker is not None:
-                workers.append(contender.worker)
-        everyone.append(C.Interlace())
-        if wanted is None or "twin" in wanted:
-            progress("starting the twin's worker process")
-            workers.append(measure.Worker(settings, twin=True))
-            everyone.append(measure.RemoteContender(workers[-1]))
-        everyone += [C.NNsight(), C.TransformerLens()]
-        results = run(o, settings, everyone, wanted, baseline)
-    finally:
-        for worker in workers:
-            worker.close()
+    baseline = prepare_baseline(o) if o.baseline else None
+    # in this process, kept across runs (their wrappers and nnsight's copies are made once)
+    here = [C.Raw(), C.Hooks(), C.Interlace(), C.NNsight(), C.TransformerLens()]
+    each = []
+    for i in range(o.runs):
+        if o.runs > 1:
+            progress(f"run {i + 1} of {o.runs}")
+        each.append(measure_once(o, settings, here, wanted, baseline))
+    results = each[0] if o.runs == 1 else {**runs.combine(each), "runs": each,
+                                           "workers": [r["workers"] for r in each]}
+    if o.runs > 1:
+        results["goals"] = report.goals(results)
+        results["before_after"] = report.before_after(results)
     text = report.markdown(results)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
@@ -209,6 +238,46 @@ def main(argv=None) -> int:
         json.dump({**results, "markdown": text}, f, indent=1, default=str)
     progress(f"figures written to {o.json}")
     return 0
+
+
+def measure_once(o, settings, here, wanted, baseline) -> dict:
+    """One whole measurement, with worker processes of its own (started fresh, closed after).
+
+    With a measured baseline, this tree's interlace runs in a worker too, of the same kind as
+    the baseline's (compiled, its src/ first on the path): before and after alike."""
+    raw, hooks, interlace, nnsight, tlens = here
+    everyone, workers = [raw, hooks], []
+    info = dict(baseline) if baseline else None
+    try:
+        if baseline and "skipped" not in baseline:
+            progress(f"starting the baseline's worker process ({baseline['label']})")
+            contender, why = native_worker(settings, baseline["src"], baseline["label"], "baseline")
+            everyone.append(contender)
+            if why:
+                info["skipped"] = why
+            else:
+                workers.append(contender.worker)
+        elif baseline:
+            everyone.append(measure.RemoteContender(None, "baseline", baseline["label"],
+                                                    reason=baseline["skipped"]))
+        if workers and (wanted is None or "interlace" in wanted):
+            # the baseline runs: this tree's interlace in a worker of the same kind
+            progress("starting this tree's interlace in a worker process (beside the baseline's)")
+            contender, why = native_worker(settings, os.path.join(measure.ROOT, "src"), "interlace", "interlace")
+            everyone.append(contender)
+            if not why:
+                workers.append(contender.worker)
+        elif not workers:
+            everyone.append(interlace)
+        if wanted is None or "twin" in wanted:
+            progress("starting the twin's worker process")
+            workers.append(measure.Worker(settings, twin=True))
+            everyone.append(measure.RemoteContender(workers[-1]))
+        everyone += [nnsight, tlens]
+        return run(o, settings, everyone, wanted, info)
+    finally:
+        for worker in workers:
+            worker.close()
 
 
 def run(o, settings, everyone, wanted, baseline) -> dict:
@@ -226,10 +295,12 @@ def run(o, settings, everyone, wanted, baseline) -> dict:
         progress(f"skipping {label}: {why}")
     names = [c.name for c in active]
     labels = {c.name: c.label for c in everyone}
-    sources = {"baseline": os.path.join(baseline["tree"], "src")} if "baseline" in names else {}
+    sources = {"baseline": baseline["src"]} if "baseline" in names else {}
+    workers = {c.name: c.worker.info["pid"] for c in active if getattr(c, "worker", None)}
     results = {
-        "hardware": hardware(o), "settings": {**settings, "repeats": o.repeats, "shapes": o.shapes},
-        "contenders": names, "labels": labels, "baseline": baseline,
+        "hardware": hardware(o), "settings": {**settings, "repeats": o.repeats, "shapes": o.shapes,
+                                              "runs": o.runs},
+        "contenders": names, "labels": labels, "baseline": baseline, "workers": workers,
         "versions": {c.name: c.version for c in active if c.version}, "skipped": skipped, "workloads": {},
     }
     pycache = workloads.pycache_dir()
@@ -284,9 +355,13 @@ def slopes(entry, cases) -> dict:
         if name == "raw" or len(ks) < 2 or any(key not in row.get(name, {}) for row in rows):
             continue  # (a contender that failed a case has no slope)
         out[name] = {"per_edit_us": workloads.slope(ks, [row[name][key] for row in rows])}
+        if key == "over_raw_us" and all("own_floor_over_raw_us" in row[name] for row in rows):
+            # a worker's contender: against plain hooks' slope in its own process
+            out[name]["floor_per_edit_us"] = workloads.slope(ks, [row[name]["own_floor_over_raw_us"] for row in rows])
     ref = out.get("hooks", {}).get("per_edit_us")
     for row in out.values():  # (plain hooks' slope lost in noise, at or below 0: no ratio)
-        row["ratio"] = row["per_edit_us"] / ref if ref and ref > 0 else None
+        floor = row.get("floor_per_edit_us", ref)
+        row["ratio"] = row["per_edit_us"] / floor if floor and floor > 0 else None
     return out
 
 
@@ -295,12 +370,12 @@ def wrapped_structure(case, active, settings) -> dict:
     s = subjects.build(case.shape, settings["device"], settings["dtype"])
     out = {}
     for c in active:
-        if c.name == "interlace":
+        if isinstance(c, measure.RemoteContender):  # the twin, the baseline: their own process
+            out[c.name] = c.structural(case.shape)
+        elif c.name == "interlace":
             out[c.name] = workloads.structural(s.module)
         elif c.name == "nnsight":
             out[c.name] = workloads.structural(c.model(s)._module)
-        elif isinstance(c, measure.RemoteContender):  # the twin, the baseline: their own process
-            out[c.name] = c.structural(case.shape)
     return out
 
 

@@ -8,19 +8,28 @@ On CUDA every timed call is bracketed by `torch.cuda.synchronize()`.
 The pure-Python twin cannot share a process with the compiled path (the choice is made once,
 at import), so it runs in a worker process (`benchmarks.worker`) that builds the same subjects
 from the same seeds; so does the baseline (`--baseline REF`: interlace as it was at REF, whose
-`src/` the worker puts first on its path). Within a round the harness asks a worker to time
-its call, and waits: the processes take turns and never run at the same time. The worker
-times itself, so the pipe's latency is not counted.
+`src/` the worker puts first on its path), and, when a baseline is measured, this tree's
+interlace too, so that before and after run in processes of the same kind. Within a round
+the harness asks a worker to time its call, and waits: the processes take turns and never
+run at the same time. The worker times itself, so the pipe's latency is not counted.
+
+A call timed in a worker is not a call timed here: a process woken by a pipe runs its call
+on colder caches than one that never slept (an A/A run with the same interlace in this
+process and in a worker read the worker ~10% slower). So every worker also times the floor
+(plain hooks) and the raw forward, in the same rounds, and a worker's contender is compared
+with the floor timed in its own process (`own_floor`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -209,11 +218,13 @@ def _to_cpu(value):
 
 class Worker:
     """A worker process (the twin's, or the baseline's): requests and replies are pickles over
-    its stdin/stdout.
+    its stdin/stdout; its stderr is passed through to ours, and its last lines are kept so
+    that a worker that dies can say why in one line (`last_error`).
 
     twin: the pure-Python twin of this checkout (INTERLACE_NO_EXTENSIONS=1).
-    src:  another interlace's `src/` (a baseline tree), put first on the worker's path, its
-          compiled extension required (INTERLACE_REQUIRE_EXTENSIONS=1).
+    src:  an interlace's `src/` (a baseline tree, or this checkout's when it is measured beside
+          a baseline), put first on the worker's path, its compiled extension required
+          (INTERLACE_REQUIRE_EXTENSIONS=1).
     """
 
     def __init__(self, settings: dict, twin: bool = False, src: str | None = None):
@@ -226,20 +237,42 @@ class Worker:
             env["INTERLACE_BENCH_SRC"] = src  # benchmarks/__init__.py puts it first on sys.path
         env["PYTHONPATH"] = os.pathsep.join([ROOT, src or os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker"], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._tail = collections.deque(maxlen=50)
+        self._stderr = threading.Thread(target=self._forward, daemon=True)
+        self._stderr.start()
         try:
             self.info = self.ask("init", settings)
         except BaseException:
             self.close()
             raise
 
+    def _forward(self):
+        """Pass the worker's stderr through, keeping its last lines."""
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace")
+            self._tail.append(line.rstrip())
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def last_error(self) -> str:
+        """The last non-empty line the worker wrote to stderr (after it exited: its error)."""
+        if self.proc.poll() is not None:
+            self._stderr.join(timeout=5)
+        return next((line.strip() for line in reversed(self._tail) if line.strip()), "")
+
     def ask(self, *message):
-        pickle.dump(message, self.proc.stdin)
-        self.proc.stdin.flush()
         try:
+            pickle.dump(message, self.proc.stdin)
+            self.proc.stdin.flush()
             status, value = pickle.load(self.proc.stdout)
-        except EOFError:
-            raise RuntimeError("the worker process died (its error is above)") from None
+        except (EOFError, BrokenPipeError):
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise RuntimeError(f"the worker process exited (status {code}): "
+                               f"{self.last_error() or 'it printed nothing'}") from None
         if status == "error":
             raise RuntimeError(f"the worker failed:\n{value}")
         return value
@@ -251,6 +284,12 @@ class Worker:
             except (RuntimeError, OSError):
                 pass
             self.proc.wait(timeout=30)
+        self._stderr.join(timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                pipe.close()
+            except OSError:  # (stdin of a worker that died: its unflushed request is lost)
+                pass
 
 
 class Remote:
@@ -270,7 +309,8 @@ class Remote:
 
 
 class RemoteContender:
-    """A contender measured by a worker process: the interlace twin, or the baseline."""
+    """A contender measured by a worker process: the interlace twin, the baseline, or (beside
+    a baseline) this tree's interlace. `runner(..., who="hooks")` is the worker's own floor."""
 
     def __init__(self, worker: Worker | None, name: str = "twin", label: str = "interlace twin",
                  reason: str | None = None):
@@ -280,8 +320,8 @@ class RemoteContender:
     def unavailable(self):
         return self.reason
 
-    def runner(self, op, shape, args):
-        key = self.worker.ask("runner", op, shape, args)
+    def runner(self, op, shape, args, who: str = "interlace"):
+        key = self.worker.ask("runner", op, shape, args, who)
         return None if key is None else Remote(self.worker, key)
 
     def structural(self, shape):
@@ -291,15 +331,17 @@ class RemoteContender:
 
 def serve() -> None:
     """The worker's loop (see `Worker`): runs `Interlace` contender calls on request, on
-    whichever interlace its path and environment chose (the twin's, or a baseline's)."""
+    whichever interlace its path and environment chose (the twin's, or a baseline's), and
+    the raw forward and plain hooks: the floor timed in this same process."""
     import traceback
 
-    from .contenders import Interlace
+    from .contenders import Hooks, Interlace, Raw
 
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to stderr, not into the replies
-    contender, runners, settings = Interlace(), {}, {}
+    contenders = {"interlace": Interlace(), "hooks": Hooks(), "raw": Raw()}
+    contender, runners, settings = contenders["interlace"], {}, {}
     while True:
         try:
             message = pickle.load(inp)
@@ -317,10 +359,10 @@ def serve() -> None:
                 import interlace
 
                 reply = {"native": interlace.native, "version": interlace.__version__,
-                         "file": interlace.__file__}
+                         "file": interlace.__file__, "pid": os.getpid()}
             elif kind == "runner":
-                _, op, shape, args = message
-                r = runner(contender, op, shape, args, settings)
+                _, op, shape, args, who = message
+                r = runner(contenders[who], op, shape, args, settings)
                 reply = None
                 if r is not None:
                     reply = len(runners)

@@ -79,7 +79,8 @@ def before_after(results: dict) -> dict:
                 b, a = row.get("baseline", {}), row.get("interlace", {})
                 if "median_us" in b and "median_us" in a:
                     rows.append({**_pair(label, b["median_us"], a["median_us"], "us"),
-                                 "ratio": a.get("vs_baseline", a["median_us"] / b["median_us"])})
+                                 "ratio": a.get("vs_baseline", a["median_us"] / b["median_us"]),
+                                 "ratio_spread": a.get("vs_baseline_spread")})
         elif "peak" in w:
             b, a = w["peak"].get("baseline"), w["peak"].get("interlace")
             if b is not None and a is not None:
@@ -97,6 +98,13 @@ def before_after(results: dict) -> dict:
 def _pair(case, before, after, unit) -> dict:
     return {"case": case, "before": before, "after": after, "unit": unit,
             "ratio": after / before if before and before > 0 else None}
+
+
+def _spread(pair, digits=2, before=", ", after=""):
+    """`, 1.12-1.16`: a figure's min-max over several runs (nothing for one run)."""
+    if not pair:
+        return ""
+    return f"{before}{pair[0]:.{digits}f}-{pair[1]:.{digits}f}{after}"
 
 
 def _value(value, unit):
@@ -131,7 +139,16 @@ def markdown(results: dict) -> str:
         lines.append(f"- skipped {name}: {why}")
     if results["skipped"]:
         lines.append("")
+    runs = results["settings"].get("runs", 1)
+    if runs > 1:
+        lines += [f"Each figure is the median of {runs} whole runs (fresh worker processes each); "
+                  "`a-b` beside a ratio is its spread over the runs (min-max).", ""]
     names = results["contenders"]
+    workers = results.get("workers") or {}  # {name: pid}; a list of them, one per run, for several runs
+    remote = [results["labels"][c] for c in (workers[0] if isinstance(workers, list) else workers) if c in names]
+    if remote:
+        lines += [f"Timed in worker processes, each against plain hooks and a raw forward timed in its own "
+                  f"process in the same rounds: {', '.join(remote)}.", ""]
     labels = results["labels"]
     changes = results.get("before_after", {})
     after = f"{labels['baseline']} → {labels['interlace']}" if changes else ""
@@ -163,7 +180,7 @@ def markdown(results: dict) -> str:
                         continue
                     text = _us(cell["median_us"])
                     if c != w["floor"] and cell.get("ratio") is not None:
-                        text += f" ({cell['ratio']:.2f}x)"
+                        text += f" ({cell['ratio']:.2f}x{_spread(cell.get('ratio_spread'))})"
                     if cell.get("agrees") is False:
                         text += " ≠"
                     cells.append(text)
@@ -172,6 +189,7 @@ def markdown(results: dict) -> str:
                 lines.append("")
                 for c, s in w["summary"].items():
                     lines.append(f"- {labels[c]}: {s['per_edit_us']:.1f} us per edit"
+                                 + _spread(s.get("per_edit_us_spread"), 1, " (runs: ", ")")
                                  + (f" ({s['ratio']:.2f}x plain hooks')" if s.get("ratio") is not None else ""))
             if "structural" in w:
                 lines.append("")
@@ -181,7 +199,8 @@ def markdown(results: dict) -> str:
         if wname in changes:
             lines += ["", f"- before → after ({after}): " + "; ".join(
                 f"{c['case']} {_value(c['before'], c['unit'])} → {_value(c['after'], c['unit'])}"
-                + ("" if c["ratio"] is None else f" ({c['ratio']:.2f}x)") for c in changes[wname])]
+                + ("" if c["ratio"] is None else f" ({c['ratio']:.2f}x{_spread(c.get('ratio_spread'))})")
+                for c in changes[wname])]
         lines.append("")
     yes = {True: "yes", False: "**no**", None: "—"}
     before = "baseline" in results["contenders"]

@@ -4,7 +4,7 @@ commit exported and built as the "before" contender). Checked: every workload re
 contender that can do a case did it, and their results agree with plain hooks' (the harness
 compares them before timing); the baseline ran from its own tree on its compiled extension,
 and a baseline that cannot be had is one line while the run goes on. Timings are not
-checked: on a shared machine they are noise.
+checked: on a shared machine they are noise. `--runs 2` has a cheap run of its own.
 """
 
 import json
@@ -148,6 +148,14 @@ def test_baseline_is_the_commit_built_from_its_own_tree(run):
     assert set(results["before_after"]) >= {"save_one", "zero_mlps", "save_all", "edit_slope", "invokes",
                                             "fixed", "wrapped", "tracer", "peak_memory", "cold_start", "import"}
     assert markdown.count(f"- before → after ({base['label']} → interlace): ") == len(results["before_after"])
+    # before and after alike: each in a worker process of its own, neither in the harness's
+    workers = results["workers"]
+    assert {"baseline", "interlace", "twin"} <= set(workers) and len(set(workers.values())) == len(workers)
+    assert os.getpid() not in workers.values()
+    for wname, entry in w.items():
+        for label, row in entry.get("cases", {}).items():
+            for name in ("baseline", "interlace", "twin"):  # each against the floor of its own process
+                assert row[name]["own_floor_us"] > 0, (wname, label, name)
     assert w["wrapped"]["structural"]["baseline"] == []  # its wrapper too leaves the module bare
     assert w["import"]["rows"]["baseline"]["wall_ms"] > 0 and w["cold_start"]["rows"]["baseline"]["first_ms"] > 0
     assert all(g["baseline"] is not None for g in results["goals"] if g["goal"] != "edit_slope")
@@ -168,15 +176,70 @@ def test_a_baseline_that_cannot_be_had_is_one_line_and_the_run_goes_on(tmp_path)
     assert not os.path.exists(tmp_path / "b")  # nothing exported for a ref that does not resolve
 
 
-def _baseline_module():
-    """benchmarks/baseline.py on its own (importing the package would put src/ on sys.path)."""
+def _bench_module(name):
+    """benchmarks/<name>.py on its own (importing the package would put src/ on sys.path)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_bench_baseline", os.path.join(ROOT, "benchmarks", "baseline.py"))
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclass looks its module up while being made)
+    sys.modules[spec.name] = module  # (a dataclass looks its module up while being made)
     spec.loader.exec_module(module)
     return module
+
+
+def _baseline_module():
+    return _bench_module("baseline")
+
+
+def test_several_runs_report_the_median_and_the_spread_of_fresh_runs(tmp_path):
+    """--runs 2: two whole measurements, fresh workers each; the figures are the median (of
+    two: the mean) of the per-run figures, with their min-max beside them in the table."""
+    results, markdown, _ = _harness("--runs", "2", "--workloads", "fixed,tracer", "--contenders",
+                                    "raw,hooks,interlace,twin", tmp=tmp_path)
+    each = results["runs"]
+    assert len(each) == 2 and results["settings"]["runs"] == 2
+    assert each[0]["workers"]["twin"] != each[1]["workers"]["twin"]  # a fresh worker per run
+    assert "median of 2 whole runs" in markdown
+    for wname, label in (("fixed", "linear"), ("tracer", "tiny body")):
+        for name in ("interlace", "twin"):
+            per_run = [r["workloads"][wname]["cases"][label][name]["ratio"] for r in each]
+            cell = results["workloads"][wname]["cases"][label][name]
+            assert cell["ratio"] == pytest.approx((per_run[0] + per_run[1]) / 2)
+            assert cell["ratio_spread"] == [min(per_run), max(per_run)]
+            assert f"x, {min(per_run):.2f}-{max(per_run):.2f})" in markdown
+            if wname == "fixed":  # (a do-nothing body has no result to compare)
+                assert cell["agrees"] is True
+    goal = next(g for g in results["goals"] if g["goal"] == "tracer")
+    assert goal["interlace"] == results["workloads"]["tracer"]["cases"]["tiny body"]["interlace"]["ratio"]
+
+
+def test_combining_runs_by_hand():
+    combine = _bench_module("runs").combine
+    runs = [{"settings": {"runs": 3}, "w": {"c": {"ratio": r, "agrees": ok, "max_diff": d, "label": f"run{i}"}}}
+            for i, (r, ok, d) in enumerate([(1.30, True, 0.0), (1.10, False, 2e-5), (1.20, True, 1e-6)])]
+    got = combine(runs)
+    assert got["settings"] == {"runs": 3}
+    assert got["w"]["c"] == {"ratio": 1.20, "ratio_spread": [1.10, 1.30], "agrees": False, "max_diff": 2e-5,
+                             "label": "run0"}
+
+
+def test_a_worker_that_dies_says_why_in_one_line(tmp_path, capfd):
+    """A worker whose interlace cannot even be imported (as a baseline from the middle of a
+    redesign may be) reports its last error line, not "see above"."""
+    broken = tmp_path / "src" / "interlace"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("import os, sys\nprint('ImportError: half-done tree', file=sys.stderr)\n"
+                                        "sys.stderr.flush()\nos._exit(3)\n")
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, ROOT)
+        from benchmarks import measure
+    finally:
+        sys.path[:] = saved
+    with pytest.raises(RuntimeError) as caught:
+        measure.Worker({"device": "cpu", "dtype": "float32", "threads": 1}, src=str(tmp_path / "src"))
+    assert str(caught.value) == "the worker process exited (status 3): ImportError: half-done tree"
+    assert "ImportError: half-done tree" in capfd.readouterr().err  # passed through as it came
 
 
 def test_baseline_without_git_says_so(tmp_path):
