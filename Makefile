@@ -58,7 +58,8 @@ test-core-versions:
 # when installed (`$(PY) -m pip install -e ".[bench]"`), else skipped with a line saying so.
 # BENCH_ARGS, e.g. "--device cuda" or "--repeats 300 --shapes tiny"; "--baseline REF" also measures
 # interlace as it was at git ref REF (exported and built under build/baseline-<sha>), in the same
-# rounds: every table gets its column and a before -> after line.
+# rounds: every table gets its column and a before -> after line; "--runs 3" reports the median of
+# three whole runs (fresh worker processes each) with their spread.
 bench: build
 	$(PY) -m benchmarks $(BENCH_ARGS)
 

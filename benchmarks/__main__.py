@@ -5,12 +5,16 @@
     python -m benchmarks --repeats 2 --shapes tiny --json out.json   # the smoke test's run
     python -m benchmarks --workloads save_one,edit_slope --contenders hooks,interlace
     python -m benchmarks --baseline 2eafd86       # before/after: interlace at 2eafd86, built, beside this tree's
+    python -m benchmarks --runs 3 --baseline 2eafd86   # the same three times: medians and spread
 
 Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), interlace
 native, the interlace twin (a worker process, taking turns with this one), with --baseline
 interlace as it was at that git ref (benchmarks/baseline.py; another worker process), nnsight
 0.8.1 and TransformerLens when installed (`pip install -e '.[bench]'`); a missing one is
-skipped with a line saying so. Workloads: benchmarks/workloads.py. The report goes to stdout,
+skipped with a line saying so. With a baseline, this tree's interlace runs in a worker too, so
+before and after are measured alike; every worker's contender is compared with the floor
+timed in its own process. --runs N repeats everything with fresh workers and reports the
+medians with their spread (benchmarks/runs.py). Workloads: benchmarks/workloads.py. The report goes to stdout,
 the figures to --json (default build/bench-<device>.json); progress goes to stderr.
 """
 
