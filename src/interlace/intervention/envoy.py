@@ -123,6 +123,16 @@ class Envoy:
 
     def __getitem__(self, key):
         module = self._module
+        if type(key) is int:  # the common `h[i]`: no list of names built in Python
+            modules = module._modules
+            if None not in modules.values():
+                try:
+                    name = list(modules)[key]
+                except IndexError:
+                    pass  # the message below
+                else:
+                    child = self._children.get(name)
+                    return self._child(name) if child is None else child
         names = [n for n, m in module._modules.items() if m is not None]
         if isinstance(key, slice):
             return [self._child(n) for n in names[key]]
@@ -285,11 +295,17 @@ class Envoy:
     @property
     def output(self):
         """The module's output at the bound occurrence (a real value: the model waits)."""
-        return self._interleaver("output").read(2 * self._index + 1)
+        interleaver = self._engine.running  # inline: the hottest read of a body
+        if interleaver is None:
+            interleaver = self._interleaver("output")  # raises: no trace running
+        return interleaver.read(2 * self._index + 1)
 
     @output.setter
     def output(self, value):
-        self._interleaver("output").write(2 * self._index + 1, value)
+        interleaver = self._engine.running
+        if interleaver is None:
+            interleaver = self._interleaver("output")  # raises: no trace running
+        interleaver.write(2 * self._index + 1, value)
 
     @property
     def inputs(self):
