@@ -54,19 +54,26 @@ def detach(token):
 
 def install(run, key):
     """Hook location `key` for `run` (once): a pre-hook for an input, a forward hook for an output."""
+    handles = run.handles
     state = run.state
-    if key in run.handles or key >= state.result_key or (key < 2 and run.root_call):
+    if key in handles or key >= state.result_key or (key < 2 and run.root_call):
         return  # the result, a root fired by hand, or an added location (no module hook)
     index = key >> 1
     # torch reads a module's forward hooks after its forward only on its slow path, which
     # a call takes when the module had a hook as it started. Hooking the containers of a
     # requested location before they start keeps a later request for a container's
-    # output (asked while the model is inside it) servable.
+    # output (asked while the model is inside it) servable. `ancestors` lists them from
+    # the root down, so each one is hooked after its own containers, as a request for it
+    # would hook them.
     for ancestor in state.ancestors[index]:
-        if 2 * ancestor not in run.handles:
-            install(run, 2 * ancestor)
+        pre = 2 * ancestor
+        if pre not in handles and not (pre < 2 and run.root_call):
+            _hook(run, pre, state.modules[ancestor])
+    _hook(run, key, state.modules[index])
+
+
+def _hook(run, key, module):
     run.hub.observe(key)
-    module = state.modules[index]
     if key & 1:
         run.handles[key] = attach(module, run.post_hook(key), False)
     else:
