@@ -14,12 +14,14 @@ from .mediator import ENDED_EARLY
 class BodyJob:
     """Run `body` (a `DeferredBody`) once, by `run` (default: `body.run`); fill `out`."""
 
-    __slots__ = ("body", "out", "assigns", "tracer", "_run")
+    __slots__ = ("body", "out", "assigns", "takes", "tracer", "_run")
 
     def __init__(self, body, out, run=None):
         self.body = body
         self.out = out  # the body's final locals (shared with later invokes when it ends)
         self.assigns = body.block.assigned_names
+        # names it may take from earlier invokes (an invoke's `shadowed`); None: unknown
+        self.takes = getattr(run, "shadowed", None)
         self.tracer = body.tracer
         self._run = body.run if run is None else run
 

@@ -8,7 +8,9 @@ yet waits for it (the model runs on meanwhile), and the run resumes it once it c
 
 A body takes part when its job (`mediator.fn`) has `assigns` (the names it binds), `out`
 (its final locals, once it ended) and `paused_values(frame)` (the names it has rebound so
-far, read from its paused stack); see `tracer._body`. A model's edits have no `assigns`.
+far, read from its paused stack); see `tracer._body`. Its optional `takes` (the names it
+may take from earlier invokes) lets a run whose bodies take nothing skip sharing. A model's
+edits have no `assigns`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,22 @@ WAIT = object()  # the earlier invoke that binds it is still running and has not
 
 
 def shares(mediators):
-    """Do these bodies need sharing (several of them bind names)?"""
-    return len(mediators) > 1 and sum(
-        getattr(m.fn, "assigns", None) is not None for m in mediators) > 1
+    """Do these bodies need sharing: does a body that binds names come after another one,
+    and may it take a name from an earlier one?
+
+    A job's `takes` (the names an earlier invoke assigns that this one does not; None when
+    unknown) rules sharing out when it is empty for every later body: then no body can see
+    another's variables, and publishing them at every pause would be wasted work.
+    """
+    binders = 0
+    for mediator in mediators:
+        fn = mediator.fn
+        if getattr(fn, "assigns", None) is None:
+            continue
+        if binders and getattr(fn, "takes", None) != frozenset():
+            return True
+        binders += 1
+    return False
 
 
 class Sharing:
