@@ -47,6 +47,9 @@ class Engine:
         self.envoys = weakref.WeakValueDictionary()
         self.aliases = aliases or {}
         self.envoy_classes = envoy_classes  # Model(..., envoys=): which Envoy class wraps which module
+        # Interleavers whose run ended with a complete teardown, reused by later runs (a
+        # trace's fixed cost). Idle ones hold nothing of a run: no body, value or frame.
+        self.idle = []
 
     @property
     def module(self):
@@ -69,7 +72,43 @@ class Engine:
         factories of bodies replayed before each invoke's own body, on its rows
         (`model.edit()`). Returns the model's return value.
         """
-        interleaver = Interleaver(self.state, backward)
+        try:
+            interleaver = self.idle.pop()  # atomic: two threads never get the same one
+        except IndexError:
+            interleaver = Interleaver(self.state)
+        interleaver.reset(backward)
+        if (len(invokes) == 1 and not edits and run is None and batcher is None
+                and type(self.batcher) is Batcher):
+            # the common trace: one input as given, nothing to batch or replay
+            fn, args, kwargs = invokes[0]
+            interleaver.add(fn)
+            call = self.state.root
+        else:
+            call, args, kwargs = self._build(interleaver, invokes, run, batcher, edits)
+        # This model's turn (other threads' traces first), then the run.
+        me = threading.get_ident()
+        if not self.lock.acquire(blocking=False):
+            if self.owner == me:
+                raise InterlaceError(
+                    "this model is already being traced in this thread: a trace of the same "
+                    "model cannot start inside another one's body; trace it after the outer "
+                    "block, or wrap a second copy of the module"
+                )
+            self.lock.acquire()
+        self.owner = me
+        self.running = interleaver
+        try:
+            return interleaver.run(call, args, kwargs, run is None)
+        finally:
+            self.running = None
+            self.owner = None
+            self.lock.release()
+            if interleaver.reusable and len(self.idle) < 2:
+                self.idle.append(interleaver)
+
+    def _build(self, interleaver, invokes, run, batcher, edits):
+        """Add the mediators of a run that batches, replays edits or has a run strategy;
+        returns `(call, args, kwargs)` for it."""
         batcher = (batcher or self.batcher).for_run(run)
         call = self.state.root if run is None else run
         if len(invokes) == 1 and batcher.as_given:
@@ -77,7 +116,7 @@ class Engine:
             fn, args, kwargs = invokes[0]
             _add_edits(interleaver, edits, [None])
             interleaver.add(fn)
-            return self._turn(interleaver, call, args, kwargs, run is None)
+            return call, args, kwargs
         prepared = [batcher.prepare(args, kwargs) for _, args, kwargs in invokes]
         args, kwargs = batcher.batch(prepared) if prepared else ((), {})
         if len(invokes) > 1:
@@ -91,27 +130,7 @@ class Engine:
                 _add_edits(interleaver, edits, [None])
             for fn, _, _ in invokes:
                 interleaver.add(fn)
-        return self._turn(interleaver, call, args, kwargs, run is None)
-
-    def _turn(self, interleaver, call, args, kwargs, root_call):
-        """Run `interleaver` once this model's turn comes (other threads' traces first)."""
-        me = threading.get_ident()
-        if not self.lock.acquire(blocking=False):
-            if self.owner == me:
-                raise InterlaceError(
-                    "this model is already being traced in this thread: a trace of the same "
-                    "model cannot start inside another one's body; trace it after the outer "
-                    "block, or wrap a second copy of the module"
-                )
-            self.lock.acquire()
-        self.owner = me
-        self.running = interleaver
-        try:
-            return interleaver.run(call, args, kwargs, root_call)
-        finally:
-            self.running = None
-            self.owner = None
-            self.lock.release()
+        return call, args, kwargs
 
 
 def _add_edits(interleaver, edits, rows_per_invoke):

@@ -73,30 +73,39 @@ class Interleaver(hotpath.Exchange):
     now), `bypass` and `thread` are the exchange's fields, which its compiled hooks read.
     """
 
-    def __init__(self, state, backward=False):
+    def __init__(self, state):
         super().__init__(_is_grad_enabled, _set_grad_enabled)
         self.state = state  # the model's ModelState (locations, learned order)
-        self.backward = backward  # a body uses `with loss.backward():` (see grads.py)
+        # Containers a run fills; its teardown leaves them empty (the engine reuses this
+        # object for the model's next run, see `reset`).
         self.mediators = []
         self.handles = {}  # key -> hook token (hooks.py)
         self.overrides = {}  # module index -> (module, previous instance forward or missing)
         self.skips = {}  # module index -> list of (rows, value) for the current occurrence
-        self.serving = None  # the event being handed over (kept if a body fails or stops there)
-        self.total = None  # batch rows when several invokes share the pass
-        self.done = False
-        self.stopped = False
-        self.failure = None
         self.cut_short = []  # (message, filename, lineno) warned at the end
-        self.stopper = None
-        self.last_write = None  # (location, filename, lineno) of the body's latest assignment
-        self.shared = None  # Sharing: invokes' variables (sharing.py), when they share any
-        self.skipped = False  # a skip changes which modules run: do not learn that order
-        self.root_call = False  # the run is one call of the root: its events are fired by hand
         self.extensions = {}  # per-run state of features built on this engine (source.py)
         self.cleanups = []  # callables that undo what those features installed, run at teardown
         self.observers = {}  # key -> [fn(occ, value)]: see post-edit values (cache.py)
         self.held = {}  # mediator -> what holds it (a Barrier, barrier.py), until released
         self.released = []  # held bodies let go: resumed when the body running now pauses
+        self.reset()
+
+    def reset(self, backward=False):
+        """Ready for a new run: the per-run fields. The engine keeps one idle interleaver per
+        model and resets it for the next run instead of building one per trace (a trace's
+        fixed cost); only one whose teardown completed (`reusable`) is kept."""
+        self.backward = backward  # a body uses `with loss.backward():` (see grads.py)
+        self.serving = None  # the event being handed over (kept if a body fails or stops there)
+        self.total = None  # batch rows when several invokes share the pass
+        self.done = False
+        self.stopped = False
+        self.failure = None
+        self.stopper = None
+        self.last_write = None  # (location, filename, lineno) of the body's latest assignment
+        self.shared = None  # Sharing: invokes' variables (sharing.py), when they share any
+        self.skipped = False  # a skip changes which modules run: do not learn that order
+        self.root_call = False  # the run is one call of the root: its events are fired by hand
+        self.reusable = False  # set by a teardown that emptied every per-run container
 
     # -- building -----------------------------------------------------------------------
 
@@ -127,7 +136,8 @@ class Interleaver(hotpath.Exchange):
             finally:
                 grads.uninstall("backward")
         finally:
-            compiled.restore(eager)
+            if eager is not None:
+                compiled.restore(eager)
             self._teardown()
 
     def _run(self, call, args, kwargs):
@@ -145,11 +155,12 @@ class Interleaver(hotpath.Exchange):
         if learning:
             for key in range(state.result_key):
                 hooks.install(self, key)
-        else:
+        elif not self.root_call:
             hooks.install(self, 0)
 
-        if shares(self.mediators):
-            self.shared = Sharing(self.mediators)
+        mediators = self.mediators
+        if len(mediators) > 1 and shares(mediators):
+            self.shared = Sharing(mediators)
             self.paused = self._paused
         self._start()
         aborted = stopped = False
@@ -192,7 +203,8 @@ class Interleaver(hotpath.Exchange):
                 if event is not None and event.replaced:
                     result = event.value
         self.done = True
-        if self.failure is None:
+        if self.failure is None and (hub.nparked or self.stopper is not None or self.held
+                                     or self.released or self.shared is not None):
             self._finish_parked()
         failure = self.failure
         if failure is None:
@@ -216,7 +228,8 @@ class Interleaver(hotpath.Exchange):
                 message = mediator.start()
             finally:
                 self.current = None
-            self._handle(mediator, message)
+            if message == FAILED or message == STOPPED:
+                self._handle(mediator, message)
             if self.stopped or self.failure is not None:
                 return
             if self.shared is not None or self.held or self.released:
@@ -354,20 +367,29 @@ class Interleaver(hotpath.Exchange):
         for mediator in self.mediators:
             if not mediator.finished:
                 mediator.cancel()
-        hooks.remove(self)
-        cleanups, self.cleanups = self.cleanups, []
-        for cleanup in reversed(cleanups):
-            cleanup()
-        self.extensions = {}
-        self.skips.clear()
+        if self.handles or self.overrides:
+            hooks.remove(self)
+        if self.cleanups:
+            cleanups, self.cleanups = self.cleanups, []
+            for cleanup in reversed(cleanups):
+                cleanup()
+        if self.extensions:
+            self.extensions = {}
+        if self.skips:
+            self.skips.clear()
         self.end()
         self.routed = self.message = None
-        self.serving = None
+        self.serving = self.stopper = self.shared = self.failure = None
         self.mediators = []
-        self.shared = None
-        self.observers = {}
-        self.held = {}
-        self.released = []
+        if self.cut_short:
+            self.cut_short = []
+        if self.observers:
+            self.observers = {}
+        if self.held:
+            self.held = {}
+        if self.released:
+            self.released = []
+        self.reusable = True
 
     # -- variables shared between invokes (body side; see sharing.py) ---------------------------
 
@@ -503,21 +525,26 @@ class Interleaver(hotpath.Exchange):
             )
         if occ < passed:
             raise OutOfOrderError(self._passed_message(key, occ, passed, event))
-        hooks.install(self, key)
+        if key not in self.handles:
+            hooks.install(self, key)
         hub.park(key, occ, mediator)
         mediator.event = None
         mediator.wait(PARKED)
         return mediator.event
 
     def read(self, key):
-        mediator = self.mediator(key)
+        mediator = self.current
+        if mediator is None or mediator.worker is not getcurrent():
+            mediator = self.mediator(key)  # raises: not called from the running body
         event = self.request(key, mediator)
         if mediator.rows is None:
             return event.value
         return narrow(event.value, mediator.rows, self.total)
 
     def write(self, key, value):
-        mediator = self.mediator(key)
+        mediator = self.current
+        if mediator is None or mediator.worker is not getcurrent():
+            mediator = self.mediator(key)  # raises: not called from the running body
         event = self.request(key, mediator)
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
