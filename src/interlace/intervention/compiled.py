@@ -40,7 +40,11 @@ def _dynamo_has_compiled(eval_frame) -> bool:
 def force_eager():
     """Make compiled callables run eagerly until `restore(token)`; the token (None: no change)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None or not _dynamo_has_compiled(eval_frame):
+    if eval_frame is None:
+        return None
+    if len(eval_frame.cached_backends) == _Eager.seen and not _Eager.compiled:
+        return None  # nothing new since the last look, and nothing compiled: no call below
+    if not _dynamo_has_compiled(eval_frame):
         return None
     import torch
 

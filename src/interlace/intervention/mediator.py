@@ -123,8 +123,17 @@ class Mediator(hotpath.MediatorCore):
             worker.single_use = _trace_running() is not None
         worker.parent = getcurrent()
         self.worker = worker
-        self.body_grad = _is_grad_enabled()
-        return self._enter(self._job)
+        # `_enter(self._job)` inlined (one call less per trace): the body starts in the
+        # model's grad mode, so there is nothing to swap before the switch.
+        model_grad = self.body_grad = _is_grad_enabled()
+        try:
+            message = worker.switch(self._job)
+        finally:
+            if _is_grad_enabled() != model_grad:
+                _set_grad_enabled(model_grad)
+        if message == DONE or message == FAILED:
+            self._release()
+        return message
 
     def resume(self, payload=None):
         """Hand `payload` to the parked body and run it until it parks again or ends."""

@@ -197,10 +197,11 @@ class _InterleavingBackend(Backend):
         engine = tracer.engine
         if tracer.args or tracer.kwargs:
             values = {}
+            model = tracer.model
             tracer._result = engine.interleave(
-                [(_body(tracer, values), tracer.args, tracer.kwargs)], run=tracer._run,
+                [(BodyJob(tracer.defer(), values), tracer.args, tracer.kwargs)], run=tracer._run,
                 batcher=tracer._batcher, backward=block_uses_backward(tracer.block),
-                edits=replays(tracer.model),
+                edits=replays(model) if "_edits" in model.__dict__ else (),
             )
             tracer.push_result(values)
             return

@@ -54,7 +54,7 @@ class DeferredBody:
         self.globals = globals_
         self.state = state
         # the body's parameters: the names of `namespace` it mentions, in `block.names` order
-        self._params = tuple([name for name in block.names if name in namespace]) if _params is None else _params
+        self._params = tuple(filter(namespace.__contains__, block.names)) if _params is None else _params
         self._code = None  # the code object the latest run executes (to find its frame)
         self._entry = None  # the namespace the latest run started from
 
@@ -75,7 +75,7 @@ class DeferredBody:
             namespace = self.namespace
             params = self._params
         else:
-            params = tuple([name for name in block.names if name in namespace])
+            params = tuple(filter(namespace.__contains__, block.names))
         if globals is None:
             globals_ = self.globals
             if globals_ is None:  # rebuilt from a pickle: the namespace is all there is
@@ -90,7 +90,7 @@ class DeferredBody:
             function = _make_function(block.function_code(params, self.tracer, reads_as_globals), globals)
         self._code = function.__code__
         self._entry = namespace
-        arguments = [namespace[name] for name in params]
+        arguments = tuple(map(namespace.__getitem__, params))
         token = _enter_body(self.state)  # also mounts `.save()`
         try:
             result = function(*arguments)
@@ -187,11 +187,16 @@ def defer(tracer, namespace=None, state=None) -> DeferredBody:
                 f"a tracer rebuilt from a pickle has none: pass `namespace=`."
             )
         names = frame.f_locals  # module: its globals; class: its namespace
-        params = tuple([name for name in block.names if name in names])
-        namespace = {name: names[name] for name in params}
+        # filter/map/zip, not comprehensions: no extra Python frame per trace on 3.10/3.11
+        params = tuple(filter(names.__contains__, block.names))
+        namespace = dict(zip(params, map(names.__getitem__, params)))
         skip.release_locals(frame, names)  # the snapshot would keep the caller's locals alive
     else:
         params = None
     globals_ = frame.f_globals if frame is not None else None
-    return DeferredBody(tracer, namespace, globals_, tracer.trace_state() if state is None else state, params)
+    if state is None:
+        state = tracer._state
+        if state is None:  # `tracer.trace_state()`, inlined (once per trace)
+            state = tracer._state = TraceState(tracer._parent)
+    return DeferredBody(tracer, namespace, globals_, state, params)
 
