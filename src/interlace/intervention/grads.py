@@ -154,7 +154,6 @@ class BackwardTracer(Tracer):
 
     def __init__(self, tensor, args, kwargs):
         super().__init__(backend=_BackwardBackend())
-        self._deferred = None
         self.tensor = tensor
         self.backward_args = args
         self.backward_kwargs = kwargs

@@ -50,7 +50,7 @@ class ScanTracer(InterleavingTracer):
 
     def push_result(self, values):
         """Saved fake tensors leave as meta tensors (see the module docstring)."""
-        state = self._state or self.trace_state()
+        state = self.trace_state()
         saved = state.saved
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 

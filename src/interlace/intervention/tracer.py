@@ -31,7 +31,6 @@ class InterleavingTracer(IterMixin, Tracer):
         super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
         self.model = model
         self.engine = engine_of(model)  # what runs it (one per model, see engine.py)
-        self._deferred = None
         self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
         self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
         self._invokes = []
