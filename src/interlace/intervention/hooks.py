@@ -1,18 +1,27 @@
-"""What a run installs on the model: hooks on the locations bodies ask for, and forward
-overrides for `skip`. All of it belongs to the run and is removed at its teardown (`remove`).
+"""What a run installs on the model: taps and hooks on the locations bodies ask for, and
+forward overrides for `skip`. All of it belongs to the run and is removed at its teardown
+(`remove`).
 
 Only locations some body asked for are hooked, at the moment it asks (the model has not
 reached them yet, or the request is out of order anyway); a module nobody asked about runs
-exactly as it does outside a trace. Each hook is the run's compiled event exchange
-(`exchange.py`); a location with pending skips or observers is routed to `routed` here.
+exactly as it does outside a trace. A module with no torch hooks of its own (and no global
+ones) gets a `Tap`: the run's compiled forward wrapper, set on the instance, which fires its
+input and output events around the original forward. torch then calls the module on its fast
+path; a torch hook would send every call of it down the slow path, which costs about what a
+small module's own work costs. A module that already has hooks gets torch hooks instead, so
+that ours run after the user's, as they always have. Either way each event goes through the
+run's compiled event exchange (`exchange.py`); a location with pending skips or observers is
+routed to `routed` here.
 """
 
 from __future__ import annotations
 
 
 import torch
+from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
+from .._native import hotpath
 from .batching import swap
 
 _MISSING = object()
@@ -74,10 +83,59 @@ def install(run, key):
 
 def _hook(run, key, module):
     run.hub.observe(key)
-    if key & 1:
+    index = key >> 1
+    tap = run.taps.get(index)
+    if tap is None and _tappable(module):
+        tap = _tap(run, index, module)
+    if tap is not None:
+        if key & 1:
+            tap.post = key
+        else:
+            tap.pre = key
+        run.handles[key] = None  # nothing to detach: the tap goes as a whole (`remove`)
+    elif key & 1:
         run.handles[key] = attach(module, run.post_hook(key), False)
     else:
         run.handles[key] = attach(module, run.pre_hook(key), True)
+
+
+def _tappable(module):
+    """Can `module`'s events come from a Tap? Not when torch would call it on its slow path
+    anyway (hooks of its own, or global ones): our hooks then run after those, as before."""
+    if not _DIRECT_HOOKS:
+        return False
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks):
+        return False
+    m = _torch_module
+    return not (m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
+def _tap(run, index, module):
+    """Set a Tap as `module`'s forward for this run (it wraps whatever forward it has now)."""
+    tap = hotpath.Tap(run, module.forward)
+    previous = module.__dict__.get("forward", _MISSING)
+    module.__dict__["forward"] = tap
+    run.taps[index] = tap
+    run.tapped[index] = (module, previous)
+    return tap
+
+
+def forward_of(module):
+    """What runs as `module`'s forward, looking through this run's Tap (`source.py` rewrites it)."""
+    forward = module.__dict__.get("forward")
+    return forward.original if type(forward) is hotpath.Tap else forward
+
+
+def set_forward(module, forward):
+    """Make `forward` what runs as `module`'s instance forward, inside its Tap if it has one
+    (torch may already hold the Tap for a call in progress: it reads `original` at the call)."""
+    tap = module.__dict__.get("forward")
+    if type(tap) is hotpath.Tap:
+        tap.original = forward
+    else:
+        module.__dict__["forward"] = forward
 
 
 def routed(run, key, occ, value):
@@ -110,8 +168,9 @@ def override_forward(run, index):
     if index in run.overrides:
         return
     module = run.state.modules[index]
+    tap = run.taps.get(index)
     previous = module.__dict__.get("forward", _MISSING)
-    original = module.forward
+    original = module.forward if tap is None else tap.original
     skips = run.skips
 
     def forward(*args, **kwargs):
@@ -120,16 +179,34 @@ def override_forward(run, index):
             return pending[0][1]
         return original(*args, **kwargs)
 
+    if tap is not None:  # inside the tap, so that the skipped module's events still fire
+        run.overrides[index] = (None, None)  # goes with the tap (`remove`)
+        tap.original = forward
+        return
     run.overrides[index] = (module, previous)
     module.forward = forward
 
 
 def remove(run):
-    """Remove every hook and forward override `run` installed."""
+    """Remove every tap, hook and forward override `run` installed."""
     for token in run.handles.values():
-        detach(token)
+        if token is not None:
+            detach(token)
     run.handles.clear()
+    if run.taps:
+        for index, (module, previous) in run.tapped.items():
+            tap = run.taps[index]
+            tap.pre = tap.post = -1  # a reference kept somewhere fires nothing more
+            if module.__dict__.get("forward") is tap:  # (unless the user replaced it since)
+                if previous is _MISSING:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = previous
+        run.taps.clear()
+        run.tapped.clear()
     for module, previous in run.overrides.values():
+        if module is None:
+            continue  # it was inside a tap
         if previous is _MISSING:
             module.__dict__.pop("forward", None)
         else:

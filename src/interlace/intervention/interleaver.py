@@ -79,7 +79,9 @@ class Interleaver(hotpath.Exchange):
         # Containers a run fills; its teardown leaves them empty (the engine reuses this
         # object for the model's next run, see `reset`).
         self.mediators = []
-        self.handles = {}  # key -> hook token (hooks.py)
+        self.handles = {}  # key -> hook token, or None for a key its module's Tap fires (hooks.py)
+        self.taps = {}  # module index -> its Tap for this run (hooks.py)
+        self.tapped = {}  # module index -> (module, instance forward before the Tap, or missing)
         self.overrides = {}  # module index -> (module, previous instance forward or missing)
         self.skips = {}  # module index -> list of (rows, value) for the current occurrence
         self.cut_short = []  # (message, filename, lineno) warned at the end

@@ -62,6 +62,7 @@ from greenlet import getcurrent
 
 from ..errors import InterlaceError, SourceNotAvailable
 from ..tracing import source as _sources
+from . import hooks
 from .batching import swap
 
 HOOK = "__interlace_source_hook__"
@@ -586,7 +587,7 @@ class _Run:
 
 def _forward_of(module, what):
     """(function that runs as `module`'s forward, the receiver it gets, or None for none)."""
-    forward = module.__dict__.get("forward")
+    forward = hooks.forward_of(module)  # (inside the run's Tap, if it has one)
     if forward is not None and "_hf_hook" in module.__dict__:
         # accelerate's alignment wrapper: the real forward is kept as `_old_forward`
         forward = module.__dict__.get("_old_forward", forward)
@@ -681,12 +682,12 @@ def _module_run(il, envoy, compiled):
         hook = _RunHook(run)
         copy = _rebuild(chain, compiled.function(inner, hook))
         setattr(copy, _COPY_OF, function)
-        previous = module.__dict__["forward"]
-        module.__dict__["forward"] = copy
+        previous = hooks.forward_of(module)
+        hooks.set_forward(module, copy)
 
         def undo():
-            if module.__dict__.get("forward") is copy:
-                module.__dict__["forward"] = previous
+            if hooks.forward_of(module) is copy:
+                hooks.set_forward(module, previous)
             hook.run = None
             run.close()
 

@@ -51,6 +51,9 @@ from .save import enter_body as _enter_body
 from .save import exit_body as _exit_body
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Compiled code adds a traceback entry named after its source (the hot path's Tap is called
+# inside the model's forward, so a model's own error passes through it).
+_NATIVE_SOURCES = ("csrc/_chotpath.pyx", "csrc/_cframes.pyx")
 _STEPS = ("parse", "build", "compile")
 _frames = _native.frames
 # The fields frames.TracerBase keeps (C fields natively): a class attribute of the same name
@@ -328,7 +331,8 @@ def _check_fields(cls) -> None:
 
 def _internal(tb) -> bool:
     filename = tb.tb_frame.f_code.co_filename
-    return filename.startswith(_PACKAGE_DIR) or os.path.abspath(filename).startswith(_PACKAGE_DIR)
+    return (filename.startswith(_PACKAGE_DIR) or filename.endswith(_NATIVE_SOURCES)
+            or os.path.abspath(filename).startswith(_PACKAGE_DIR))
 
 
 def _clean(error: BaseException, signal) -> None:

@@ -1,0 +1,186 @@
+"""Taps: a run fires a plain module's events from a wrapper set as its forward, not torch hooks.
+
+A module with no hooks of its own is called on torch's fast path while a trace reads or edits
+it (a torch hook would send each call down the slow path); a module that has hooks, or any
+global hook, gets torch hooks as before, so that ours still run after the user's. Values are
+compared with plain torch hooks; after the run nothing is left on the model.
+"""
+
+import inspect
+import os
+import traceback
+
+import pytest
+import torch
+
+import interlace
+from interlace import save
+from interlace._native import hotpath
+
+from .helpers import assert_clean, hooked, logits
+
+PACKAGE = os.path.dirname(os.path.abspath(interlace.__file__))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+
+
+def test_plain_module_is_tapped_not_hooked_while_the_body_reads_it(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+    for _ in range(2):  # the first trace learns the order (it taps every module), then one run
+        with model.trace(x6):
+            h = save(model[0].output)
+            during = save((type(net[0].__dict__.get("forward")), dict(net[0]._forward_hooks),
+                           dict(net[0]._forward_pre_hooks), type(net[2].__dict__.get("forward"))))
+        assert during == (hotpath.Tap, {}, {}, hotpath.Tap if _ == 0 else type(None))
+    assert torch.equal(h, net[0](x6))
+    assert_clean(net)
+
+
+def test_container_output_asked_from_inside_it_is_served(gpt2_model, gpt2, ids):
+    # the container (transformer) starts before the body asks for its output: its tap,
+    # installed with the layer's request, fires the output event when it returns
+    seen = {}
+
+    def keep(name, pick):
+        def hook(m, a, o):
+            seen[name] = pick(o)  # (returns None: a plain observer)
+        return hook
+
+    with torch.no_grad(), hooked(gpt2, output={
+        gpt2.transformer.h[0]: keep("h0", lambda o: o),
+        gpt2.transformer: keep("t", lambda o: o.last_hidden_state.clone()),
+    }):
+        gpt2(ids)
+    with torch.no_grad(), gpt2_model.trace(ids):
+        h0 = save(gpt2_model.transformer.h[0].output)
+        last = save(gpt2_model.transformer.output.last_hidden_state.clone())
+    h0_ref = seen["h0"][0] if isinstance(seen["h0"], tuple) else seen["h0"]
+    h0_got = h0[0] if isinstance(h0, tuple) else h0
+    assert torch.equal(h0_got, h0_ref)
+    assert torch.equal(last, seen["t"])
+    assert_clean(gpt2)
+
+
+def test_edit_through_a_tap_matches_a_plain_hook_edit(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+    with torch.no_grad(), hooked(net, output={net[1]: lambda m, a, o: o * 0 + 1}):
+        expected = net(x6)
+    with torch.no_grad(), model.trace(x6):
+        model[1].output = torch.ones_like(model[1].output)
+        out = save(model.output)
+    assert torch.equal(out, expected)
+    assert_clean(net)
+
+
+def test_input_edit_through_a_tap_matches_a_plain_pre_hook(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+
+    def double(m, args, kwargs):
+        return (args[0] * 2,), kwargs
+
+    with torch.no_grad(), hooked(net, pre={net[2]: double}):
+        expected = net(x6)
+    with torch.no_grad(), model.trace(x6):
+        model[2].input = model[2].input * 2
+        out = save(model.output)
+    assert torch.equal(out, expected)
+    assert_clean(net)
+
+
+def test_module_with_a_user_hook_keeps_torch_hooks_and_sees_the_users_edit(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+    handle = net[0].register_forward_hook(lambda m, a, o: o + 1)
+    try:
+        with torch.no_grad(), model.trace(x6):
+            h = save(model[0].output)
+            tapped = save(type(net[0].__dict__.get("forward")))
+        assert tapped is not hotpath.Tap
+        assert torch.equal(h, torch.nn.functional.linear(x6, net[0].weight, net[0].bias) + 1)
+    finally:
+        handle.remove()
+    assert_clean(net)
+
+
+def test_global_hook_keeps_torch_hooks_and_the_global_hook_runs_first(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: o * 3 if m is net[0] else None)
+    try:
+        with torch.no_grad(), model.trace(x6):
+            h = save(model[0].output)
+            tapped = save(type(net[0].__dict__.get("forward")))
+        assert tapped is not hotpath.Tap
+        assert torch.equal(h, torch.nn.functional.linear(x6, net[0].weight, net[0].bias) * 3)
+    finally:
+        handle.remove()
+    assert_clean(net)
+
+
+def test_forward_looks_like_the_original_while_tapped(x6):
+    # generation inspects `self.forward`'s signature; code reads `.__self__`/`.__name__`
+    net = _mlp()
+    model = interlace.Model(net)
+    original = inspect.signature(net[0].forward)
+    with model.trace(x6):
+        save(model[0].input)  # net[0] is tapped from here on
+        forward = net[0].forward
+        facts = save((type(forward), inspect.signature(forward), forward.__self__ is net[0],
+                      forward.__name__))
+    assert facts == (hotpath.Tap, original, True, "forward")
+
+
+def test_instance_forward_of_the_user_is_wrapped_and_restored(x6):
+    net = _mlp()
+    calls = []
+    plain = net[0].forward
+
+    def own(x):
+        calls.append(1)
+        return plain(x) * 2
+
+    net[0].forward = own
+    model = interlace.Model(net)
+    with torch.no_grad(), model.trace(x6):
+        h = save(model[0].output)
+    assert calls == [1]
+    assert torch.equal(h, plain(x6) * 2)
+    assert net[0].__dict__["forward"] is own
+
+
+def test_model_error_inside_a_tapped_module_shows_no_interlace_frame(x6):
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(5, 5)  # wrong shape: the model's own error
+
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), Broken())
+    model = interlace.Model(net)
+    with pytest.raises(RuntimeError) as info:
+        with model.trace(x6):
+            save(model[1].output)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(f.name == "forward" and f.filename == __file__ for f in frames)
+    ours = [f.name for f in frames if f.filename.startswith(PACKAGE) or f.filename.endswith(".pyx")]
+    assert ours == ([] if interlace.native else ["__exit__"])  # the twin keeps the frame that re-raises
+    assert "forward" not in net[1].__dict__
+
+
+def test_skip_of_a_tapped_module_still_fires_its_output(x6):
+    net = _mlp()
+    model = interlace.Model(net)
+    with torch.no_grad(), model.trace(x6):
+        before = save(model[1].input)  # taps net[1] first
+        model[1].skip(torch.zeros(3, 16))
+        out1 = save(model[1].output)
+        out = save(model.output)
+    assert torch.equal(out1, torch.zeros(3, 16))
+    assert torch.equal(out, net[2](torch.zeros(3, 16)))
+    assert before.shape == (3, 16)
+    assert_clean(net)
