@@ -68,58 +68,53 @@ def install(run, key):
     if key in handles or key >= state.result_key or (key < 2 and run.root_call):
         return  # the result, a root fired by hand, or an added location (no module hook)
     index = key >> 1
-    # torch reads a module's forward hooks after its forward only on its slow path, which
-    # a call takes when the module had a hook as it started. Hooking the containers of a
+    # A call of a module fetches its forward (a Tap) as it starts, and torch reads a
+    # module's forward hooks after its forward only on the slow path, which a call takes
+    # when the module had a hook as it started. Tapping (or hooking) the containers of a
     # requested location before they start keeps a later request for a container's
     # output (asked while the model is inside it) servable. `ancestors` lists them from
-    # the root down, so each one is hooked after its own containers, as a request for it
-    # would hook them.
+    # the root down, so each one is installed after its own containers, as a request for
+    # it would install them.
     for ancestor in state.ancestors[index]:
         pre = 2 * ancestor
         if pre not in handles and not (pre < 2 and run.root_call):
-            _hook(run, pre, state.modules[ancestor])
-    _hook(run, key, state.modules[index])
+            _hook(run, pre, ancestor)
+    _hook(run, key, index)
 
 
-def _hook(run, key, module):
+def _hook(run, key, index):
+    """Fire `key`'s events for `run`: from module `index`'s Tap (made here, once per run), or
+    from a torch hook when the module cannot have one (`_tappable`)."""
     run.hub.observe(key)
-    index = key >> 1
     tap = run.taps.get(index)
-    if tap is None and _tappable(module):
-        tap = _tap(run, index, module)
-    if tap is not None:
-        if key & 1:
-            tap.post = key
-        else:
-            tap.pre = key
-        run.handles[key] = None  # nothing to detach: the tap goes as a whole (`remove`)
-    elif key & 1:
-        run.handles[key] = attach(module, run.post_hook(key), False)
+    if tap is None:
+        module = run.state.modules[index]
+        if not _tappable(module):
+            if key & 1:
+                run.handles[key] = attach(module, run.post_hook(key), False)
+            else:
+                run.handles[key] = attach(module, run.pre_hook(key), True)
+            return
+        # the Tap wraps whatever forward the module has now (an accelerate or user wrapper)
+        tap = run.taps[index] = hotpath.Tap(run, module.forward)
+        module_dict = module.__dict__
+        run.tapped[index] = (module, module_dict.get("forward", _MISSING))
+        module_dict["forward"] = tap
+    if key & 1:
+        tap.post = key
     else:
-        run.handles[key] = attach(module, run.pre_hook(key), True)
+        tap.pre = key
+    run.handles[key] = None  # nothing to detach: the tap goes as a whole (`remove`)
 
 
 def _tappable(module):
     """Can `module`'s events come from a Tap? Not when torch would call it on its slow path
     anyway (hooks of its own, or global ones): our hooks then run after those, as before."""
-    if not _DIRECT_HOOKS:
-        return False
-    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks):
-        return False
     m = _torch_module
-    return not (m._global_forward_hooks or m._global_forward_pre_hooks
-                or m._global_backward_hooks or m._global_backward_pre_hooks)
-
-
-def _tap(run, index, module):
-    """Set a Tap as `module`'s forward for this run (it wraps whatever forward it has now)."""
-    tap = hotpath.Tap(run, module.forward)
-    previous = module.__dict__.get("forward", _MISSING)
-    module.__dict__["forward"] = tap
-    run.taps[index] = tap
-    run.tapped[index] = (module, previous)
-    return tap
+    return _DIRECT_HOOKS and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+        or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 def forward_of(module):

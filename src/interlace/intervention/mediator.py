@@ -56,7 +56,10 @@ class _Pool(threading.local):
 
 
 _pool = _Pool()
-_POOL_MAX = 8
+# Idle workers kept per thread: enough for a trace with this many invokes to start none
+# (a new greenlet costs a creation and a first switch); an idle one holds only its short
+# saved stack, a few kB.
+_POOL_MAX = 64
 
 
 def _worker_loop():

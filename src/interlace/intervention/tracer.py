@@ -34,6 +34,7 @@ class InterleavingTracer(IterMixin, Tracer):
         self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
         self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
         self._invokes = []
+        self._invoke_assigns = set()  # names `_invokes`' bodies assign (see _InvokeBackend)
         self._collecting = False
         self._result = _NOT_YET
 
@@ -90,7 +91,7 @@ class InterleavingTracer(IterMixin, Tracer):
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.update(_invokes=[], _result=_NOT_YET, _collecting=False)
+        state.update(_invokes=[], _invoke_assigns=set(), _result=_NOT_YET, _collecting=False)
         return state
 
 
@@ -158,13 +159,13 @@ class _InvokeBackend(Backend):
     """
 
     def __call__(self, invoker):
-        earlier = invoker.parent._invokes
-        assigned_before = set()
-        for other in earlier:
-            assigned_before.update(other.block.assigned_names)
-        shadowed = frozenset(assigned_before - invoker.block.assigned_names)
-        invoker._deferred = _InvokeRun(invoker.parent, invoker.defer(), shadowed)
-        earlier.append(invoker)
+        parent = invoker.parent
+        assigned = invoker.block.assigned_names
+        before = parent._invoke_assigns  # names the earlier invokes assign (kept as they come)
+        shadowed = frozenset(before - assigned) if before else frozenset()
+        invoker._deferred = _InvokeRun(parent, invoker.defer(), shadowed)
+        parent._invokes.append(invoker)
+        before.update(assigned)
 
 
 class _InvokeRun:
@@ -212,6 +213,7 @@ class _InterleavingBackend(Backend):
             tracer._collecting = False
             engine.collecting = False
         invokes, tracer._invokes = tracer._invokes, []
+        tracer._invoke_assigns = set()
         try:
             if invokes:
                 outs = [{} for _ in invokes]
