@@ -184,3 +184,28 @@ def test_skip_of_a_tapped_module_still_fires_its_output(x6):
     assert torch.equal(out, net[2](torch.zeros(3, 16)))
     assert before.shape == (3, 16)
     assert_clean(net)
+
+
+class _PropertyForward(torch.nn.Module):
+    """A module whose `forward` is a property: an instance `forward` would never be read."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(6, 6)
+
+    @property
+    def forward(self):
+        return self.inner.forward
+
+
+def test_forward_property_keeps_torch_hooks(x6):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_PropertyForward(), torch.nn.ReLU())
+    model = interlace.Model(net)
+    for _ in range(2):  # the learning trace, then a run that hooks only what is asked
+        with torch.no_grad(), model.trace(x6):
+            h = save(model[0].output)
+            hooked_now = save(len(net[0]._forward_hooks))
+        assert hooked_now == 1
+        assert torch.equal(h, net[0].inner(x6))
+    assert_clean(net)

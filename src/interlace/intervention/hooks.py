@@ -17,6 +17,9 @@ routed to `routed` here.
 from __future__ import annotations
 
 
+import inspect
+import weakref
+
 import torch
 from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
@@ -109,12 +112,29 @@ def _hook(run, key, index):
 
 def _tappable(module):
     """Can `module`'s events come from a Tap? Not when torch would call it on its slow path
-    anyway (hooks of its own, or global ones): our hooks then run after those, as before."""
+    anyway (hooks of its own, or global ones): our hooks then run after those, as before;
+    nor when its class would not find an instance `forward` (`_forward_by_instance`)."""
     m = _torch_module
     return _DIRECT_HOOKS and not (
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
         or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-        or m._global_backward_hooks or m._global_backward_pre_hooks)
+        or m._global_backward_hooks or m._global_backward_pre_hooks
+    ) and _forward_by_instance(type(module))
+
+
+_BY_INSTANCE = weakref.WeakKeyDictionary()  # module class -> does `self.forward` read the instance?
+
+
+def _forward_by_instance(cls):
+    """Does a call of a `cls` module run `self.forward` as set on the instance? Not for a
+    scripted module (its forward is compiled) or a class whose `forward` is a data descriptor
+    (a property: the instance's dict is never read). Cached per class."""
+    known = _BY_INSTANCE.get(cls)
+    if known is None:
+        forward = inspect.getattr_static(cls, "forward", None)
+        known = _BY_INSTANCE[cls] = not (
+            issubclass(cls, torch.jit.ScriptModule) or hasattr(type(forward), "__set__"))
+    return known
 
 
 def forward_of(module):
