@@ -52,7 +52,7 @@ def prepare(inputs, tokenizer=None, *, attention_mask=None) -> dict[str, torch.T
     Raises `ValueError` for empty prompts and `TypeError` for forms we do not accept.
     """
     rows = _rows(inputs, tokenizer, attention_mask)
-    return _pad(rows, pad_token_id(tokenizer))
+    return _pad(rows, tokenizer)
 
 
 def combine(batches, tokenizer=None) -> tuple[dict[str, torch.Tensor], list[slice]]:
@@ -74,13 +74,15 @@ def combine(batches, tokenizer=None) -> tuple[dict[str, torch.Tensor], list[slic
         rows.extend({k: v[i] for k, v in batch.items()} for i in range(n))
         slices.append(slice(start, start + n))
         start += n
-    return _pad(rows, pad_token_id(tokenizer)), slices
+    return _pad(rows, tokenizer), slices
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted from each row's first real token (0 on padding), as generate does."""
     mask = attention_mask.long()
-    return (mask.cumsum(-1) - 1).clamp(min=0).masked_fill(mask == 0, 0)
+    positions = mask.cumsum(-1)
+    positions.sub_(1)  # -1 before a row's first token, and 0 where the mask is 0 after this:
+    return positions.mul_(mask)
 
 
 # --- normalising every accepted form into rows --------------------------------------------
@@ -246,12 +248,13 @@ def _strip(row):
     return {k: v[first : last + 1] for k, v in row.items()}
 
 
-def _pad(rows, pad_id) -> dict[str, torch.Tensor]:
-    """Left-pad rows to the longest and stack them."""
+def _pad(rows, tokenizer) -> dict[str, torch.Tensor]:
+    """Left-pad rows to the longest (with the tokenizer's pad id) and stack them."""
     lengths = [row["input_ids"].shape[0] for row in rows]
     length = max(lengths)
     if min(lengths) == length:
         return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    pad_id = pad_token_id(tokenizer)
     out = {}
     for key in rows[0]:
         fill = pad_id if key == "input_ids" else _PAD_VALUES[key]
