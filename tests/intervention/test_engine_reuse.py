@@ -36,6 +36,8 @@ def test_consecutive_traces_share_one_interleaver_that_keeps_nothing(mlp, x6):
     assert idle.mediators == [] and idle.hub is None and idle.current is None
     assert idle.serving is None and idle.stopper is None and idle.failure is None
     assert not idle.handles and not idle.overrides and not idle.extensions and not idle.cleanups
+    assert not idle.taps and not idle.tapped  # no module keeps a tap (hooks.py)
+    assert all("forward" not in m.__dict__ for m in mlp.modules())
     assert idle.routed is None and idle.message is None  # no cycle through bound methods
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in mlp.modules())
     torch.testing.assert_close(h, _plain_output(mlp, mlp[2], x6), rtol=0, atol=0)
