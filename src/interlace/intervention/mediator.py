@@ -120,9 +120,11 @@ class Mediator(hotpath.MediatorCore):
         else:
             worker = _new_worker()
             # A worker made while another trace body runs (a trace nested in a Tracer's body)
-            # starts deeper in the C stack than a later trace would resume it from; reusing
-            # such a worker crashed natively when torch raised inside the next body. It does
-            # this one job only.
+            # starts deeper in the C stack than a later trace would resume it from. When torch
+            # raises inside a body, its error (c10::Error) records a native backtrace, and the
+            # unwinder walks on past the worker's first frame into the stack above it: for
+            # such a worker, dead frames of the trace that made it, which crashed the process.
+            # It does this one job only (see docs/architecture.md, "Where a trace's time goes").
             worker.single_use = _trace_running() is not None
         worker.parent = getcurrent()
         self.worker = worker
