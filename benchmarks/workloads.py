@@ -89,7 +89,7 @@ WORKLOADS = {
                  goal="tiny: ≤ 1.05x plain hooks"),
         Workload("save_all", "Save every layer's output", _per_shape("save_all"),
                  goal="tiny: ≤ 1.05x plain hooks"),
-        Workload("edit_slope", "Zero k MLPs, k = 1..12: the cost of each edit", _slope_cases, rounds=0.3,
+        Workload("edit_slope", "Zero k MLPs, k = 1..12: the cost of each edit", _slope_cases, rounds=0.6,
                  goal="each edited location ≤ 2x what a plain hook's edit costs (least-squares slope over k)"),
         Workload("invokes", "n invokes saving layer 0 (plain hooks: one batch of n rows)",
                  lambda o: [Case(f"{pick(o, 'tiny')}, n={n}", "invokes", pick(o, "tiny"), (n,)) for n in INVOKES],
