@@ -184,7 +184,6 @@ def override_forward(run, index):
         return
     module = run.state.modules[index]
     tap = run.taps.get(index)
-    previous = module.__dict__.get("forward", _MISSING)
     original = module.forward if tap is None else tap.original
     skips = run.skips
 
@@ -194,12 +193,11 @@ def override_forward(run, index):
             return pending[0][1]
         return original(*args, **kwargs)
 
-    if tap is not None:  # inside the tap, so that the skipped module's events still fire
-        run.overrides[index] = (None, None)  # goes with the tap (`remove`)
-        tap.original = forward
-        return
-    run.overrides[index] = (module, previous)
-    module.forward = forward
+    # Inside the module's tap, if it has one, so that the skipped module's events still
+    # fire; that override goes with the tap (`remove`), the other one is undone there.
+    run.overrides[index] = (None, None) if tap is not None else (
+        module, module.__dict__.get("forward", _MISSING))
+    set_forward(module, forward)
 
 
 def remove(run):
