@@ -7,6 +7,7 @@ use through the module `__getattr__` below.
 
 from ._native import native
 from .errors import (
+    BatchingWarning,
     InterlaceError,
     IterationCutShortWarning,
     NotInTraceError,
@@ -39,6 +40,7 @@ __all__ = [
     "OutOfOrderError",
     "NotInTraceError",
     "IterationCutShortWarning",
+    "BatchingWarning",
     "SourceNotAvailable",
     "Tracer",
     "Backend",

@@ -44,3 +44,8 @@ class SourceNotAvailable(InterlaceError):
 
 class IterationCutShortWarning(UserWarning):
     """A `tracer.iter` loop asked for a step the run never reached; the loop ended early."""
+
+
+class BatchingWarning(UserWarning):
+    """A batched run could not give every item its own value, so some items ran alone
+    (their bodies ran again: side effects repeat), or the batch size was lowered."""

@@ -9,9 +9,11 @@ tokenizes and pads; see `engine.Engine`):
 - `for_run(run)` -> the batcher for a run made by `run` (a generation may batch differently);
 - `as_given`: a single invoke's inputs go to the model exactly as given (no `prepare`).
 
-`narrow` / `swap` move values between the whole batch and one invoke's rows: tensors whose
-first dimension is the batch size are sliced (a view, so in-place edits reach the model);
-everything else is shared whole.
+`narrow` / `swap` move values between the whole batch and one invoke's rows. Not every
+value carries the batch, or carries it at dim 0: `axis_of` finds each tensor's batch axis
+from what a probe run of one item alone saw (`probe.py`): a value the whole batch shares is
+served whole (an item that edits it gets its own copy: `expand`), a value reduced over the
+batch raises `RunAlone` (the engine then runs the items alone). docs/batching.md is the rule.
 """
 
 from __future__ import annotations
@@ -36,17 +38,18 @@ class Prepared:
     rows: int
 
 
-def _rows_of(value):
+def rows_of(value, dim=0):
+    """How many batch rows `value` (an input, possibly nested) holds along `dim`, or None."""
     if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() else None
+        return value.shape[dim] if value.dim() > dim else None
     if isinstance(value, (list, tuple)):
         for item in value:
-            n = _rows_of(item)
+            n = rows_of(item, dim)
             if n is not None:
                 return n
     if isinstance(value, dict):
         for item in value.values():
-            n = _rows_of(item)
+            n = rows_of(item, dim)
             if n is not None:
                 return n
     return None
@@ -59,18 +62,33 @@ def _describe(value):
 
 
 class Batcher:
-    """Default batching: concatenate tensor arguments on dim 0; other arguments must agree."""
+    """Default batching: concatenate tensor arguments along `dim` (the inputs' batch
+    dimension, `Model(batch_dim=)`); other arguments must agree."""
 
     as_given = True  # one invoke: its inputs as they are (the common trace costs nothing here)
+    dim = 0
+    batch_first = False  # True: the inputs are batch-first whatever the model's modules say
+
+    def __init__(self, dim=0):
+        self.dim = dim
 
     def for_run(self, run):
         """The batcher for a run whose model call is `run` (None: the module itself)."""
         return self
 
     def prepare(self, args, kwargs):
-        rows = _rows_of(args)
+        dim = self.dim
+        if dim:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor) and value.dim() <= dim:
+                    raise BatchingError(
+                        f"batch_dim={dim}, but an input is {_describe(value)}, which has no dim "
+                        f"{dim}: batch_dim names the inputs' batch dimension (interlace.Model("
+                        f"module, batch_dim=...)); pass inputs that have it"
+                    )
+        rows = rows_of(args, self.dim)
         if rows is None:
-            rows = _rows_of(kwargs)
+            rows = rows_of(kwargs, self.dim)
         return Prepared(tuple(args), dict(kwargs), rows if rows is not None else 1)
 
     def batch(self, prepared):
@@ -103,17 +121,19 @@ class Batcher:
 
     def _combine(self, values, what):
         first = values[0]
+        dim = self.dim
         if isinstance(first, torch.Tensor):
             for i, value in enumerate(values):
-                if not isinstance(value, torch.Tensor) or value.dim() == 0 or (
-                    value.shape[1:] != first.shape[1:]
+                if not isinstance(value, torch.Tensor) or value.dim() <= dim or (
+                    value.shape[:dim] + value.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]
                 ):
+                    where = "the first" if dim == 0 else f"the batch dimension ({dim})"
                     raise BatchingError(
                         f"cannot batch invokes: {what} is {_describe(first)} in invoke 0 but "
                         f"{_describe(value)} in invoke {i}; batched inputs must agree in every "
-                        f"dimension but the first (pad them, or run separate traces)"
+                        f"dimension but {where} (pad them, or run separate traces)"
                     )
-            return torch.cat(values, dim=0)
+            return torch.cat(values, dim=dim)
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) or not _same(value, first):
                 raise BatchingError(
@@ -131,65 +151,216 @@ def _same(a, b):
         return a is b
 
 
+# -- one item's part of a batched value -------------------------------------------------------
+
+SHARED = -1  # no batch axis, the same for every item (a position embedding of arange)
+REDUCED = -2  # no batch axis, computed from every item (a loss, a .mean() over the batch)
 _ORIGIN = "_interlace_batch_origin"
 
 
-def narrow(value, rows, total):
+class RunAlone(BaseException):
+    """Body side: an item asked for a value it cannot have in this batch (reduced over the
+    batch, or a shared value replaced by one of another shape); the engine runs the items
+    alone instead (`Engine.interleave`). A BaseException: a body's `except Exception` must
+    not swallow it."""
+
+    def __init__(self, key, why):
+        super().__init__(key, why)
+        self.key = key  # the location (set by the interleaver)
+        self.why = why
+        self.label = None  # "invoke 1", "sweep item"...: the body that asked
+        self.where = None  # (filename, lineno) of the body's line
+
+
+def axis_of(tensor, signature, total, dim):
+    """Where `tensor` (a leaf of a batched value) carries the batch: an axis, SHARED, REDUCED,
+    or `("squeeze", axis)` for a shared value that copy-on-edit gave a new batch axis.
+
+    `signature` is what the model's first batched run learned of this leaf (`axes.py`):
+    `(shape, computed from the inputs, batch total, batch axis)`, or None; without one, the axis is
+    `dim` when its size is the batch total (else SHARED).
+    """
+    shape = tensor.shape
+    rank = len(shape)
+    if signature is None:
+        return dim if rank > dim and shape[dim] == total else SHARED
+    learned, from_inputs, learned_total, learned_axis = signature
+    if from_inputs:
+        if learned_axis is not None and rank > learned_axis and shape[learned_axis] == total:
+            return learned_axis
+        same_rank = rank == len(learned)
+        found = [a for a in range(rank)
+                 if shape[a] == total and (not same_rank or learned[a] == learned_total)]
+        if found:
+            return dim if dim in found else found[0]
+        return REDUCED
+    # shared by the batch, unless an item's edit gave it a batch axis (`expand`)
+    if rank > dim and shape[dim] == total and total > 1:
+        if rank == len(learned) and learned[dim] == 1:
+            return dim
+        if rank == len(learned) + 1:
+            return ("squeeze", dim)
+    return SHARED
+
+
+def map_leaves(value, fn):
+    """`value` with each tensor leaf `t` replaced by `fn(i, t)` (`i` counts leaves in order);
+    tuples, named tuples, lists and dicts (ModelOutputs too) are rebuilt around them."""
+    counter = [0]
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            i = counter[0]
+            counter[0] = i + 1
+            return fn(i, v)
+        if isinstance(v, tuple):
+            items = [walk(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            out = {k: walk(x) for k, x in v.items()}
+            if type(v) is dict:
+                return out
+            try:
+                return type(v)(**out)
+            except Exception:  # noqa: BLE001 - exotic mapping: hand back a plain dict
+                return out
+        return v
+
+    return walk(value)
+
+
+def leaf(value, index):
+    """The `index`-th tensor leaf of `value` (in `map_leaves` order), or None."""
+    found = []
+
+    def pick(i, t):
+        if i == index:
+            found.append(t)
+        return t
+
+    map_leaves(value, pick)
+    return found[0] if found else None
+
+
+def _rows_index(axis, rows):
+    return rows if axis == 0 else (slice(None),) * axis + (rows,)
+
+
+def _narrow_leaf(tensor, axis, rows):
+    if type(axis) is tuple:
+        axis = axis[1]
+        part = tensor.narrow(axis, rows.start, 1).squeeze(axis)
+    else:
+        part = tensor[_rows_index(axis, rows)]
+    setattr(part, _ORIGIN, (tensor, _rows_index(axis, rows)))
+    return part
+
+
+def narrow(value, rows, total, layout=None, dim=0, shared=None):
     """The part of `value` that belongs to batch rows `rows` (views where possible).
 
-    A narrowed tensor remembers `(batch tensor, rows)`: the backward pass reaches the batch
-    tensor, not this view of it, so `.grad` hooks go on the batch tensor (see `origin`).
+    `layout` is the probe's signatures of this location's leaves (see `axis_of`; None: the
+    size rule). A leaf the whole batch shares is served whole or, when `shared` is a list,
+    as a copy of its own, recorded there as `(leaf index, original, copy, copy's version)`
+    so that an in-place edit of the copy can be made that item's alone (`expand`). A leaf
+    reduced over the batch raises `RunAlone(None, ...)`. A narrowed tensor remembers
+    `(batch tensor, index)`: the backward pass reaches the batch tensor, not this view of
+    it, so `.grad` hooks go on the batch tensor (see `origin`).
     """
-    if isinstance(value, torch.Tensor):
-        if value.dim() and value.shape[0] == total:
-            part = value[rows]
-            setattr(part, _ORIGIN, (value, rows))
-            return part
-        return value
-    if isinstance(value, tuple):
-        items = [narrow(v, rows, total) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [narrow(v, rows, total) for v in value]
-    if isinstance(value, dict):
-        out = {k: narrow(v, rows, total) for k, v in value.items()}
-        if type(value) is dict:
-            return out
-        try:
-            return type(value)(**out)
-        except Exception:  # noqa: BLE001 - exotic mapping: hand back a plain dict
-            return out
-    return value
+
+    def part(i, tensor):
+        axis = axis_of(tensor, layout[i] if layout is not None and i < len(layout) else None,
+                       total, dim)
+        if axis == SHARED:
+            if shared is None:
+                return tensor
+            copy = tensor.clone()
+            shared.append((i, tensor, copy, copy._version))
+            return copy
+        if axis == REDUCED:
+            raise RunAlone(None, f"reduced over the batch (shape {tuple(tensor.shape)}: no "
+                                 f"batch dimension, but computed from every item)")
+        return _narrow_leaf(tensor, axis, rows)
+
+    return map_leaves(value, part)
 
 
 def origin(tensor):
-    """`(batch tensor, rows)` when `tensor` is one invoke's rows of a batched value, else None."""
+    """`(batch tensor, index)` when `tensor` is one invoke's rows of a batched value, else None."""
     return getattr(tensor, _ORIGIN, None)
 
 
-def swap(full, part, rows, total):
-    """`full` with batch rows `rows` replaced by `part` (the whole of `full` stays intact)."""
-    if isinstance(full, torch.Tensor):
-        if not (full.dim() and full.shape[0] == total):
-            return part
-        if not isinstance(part, torch.Tensor):
-            raise BatchingError(
-                f"cannot assign {type(part).__name__} to the rows of a batched tensor of shape "
-                f"{tuple(full.shape)}; assign a tensor with {rows.stop - rows.start} row(s)"
-            )
-        pieces = [full[: rows.start], part, full[rows.stop:]]
-        return torch.cat([p for p in pieces if p.shape[0]], dim=0)
-    if isinstance(full, (tuple, list)) and isinstance(part, (tuple, list)) and len(full) == len(part):
-        items = [swap(f, p, rows, total) for f, p in zip(full, part)]
-        if isinstance(full, tuple):
-            return type(full)(*items) if hasattr(full, "_fields") else tuple(items)
-        return items
-    if isinstance(full, dict) and isinstance(part, dict):
-        out = {k: swap(full[k], v, rows, total) if k in full else v for k, v in part.items()}
-        if type(full) is dict:
-            return out
-        try:
-            return type(full)(**out)
-        except Exception:  # noqa: BLE001
-            return out
-    return part
+def expand(full, rows, part, total, dim):
+    """Copy on edit: `full`, a value the whole batch shares, given a batch axis at `dim` (its
+    size-1 dim there, else a new one) with the rows `rows` set to `part` (the item's edit)
+    and every other row the original. Raises RunAlone when `part` does not fit."""
+    base = full if full.dim() > dim and full.shape[dim] == 1 else full.unsqueeze(dim)
+    shape = list(base.shape)
+    shape[dim] = total
+    out = base.expand(shape).clone(memory_format=torch.contiguous_format)
+    put(out, rows, part, dim)
+    return out
+
+
+def put(batched, rows, part, dim):
+    """Write `part` (one item's value, with or without the size-1 batch dim) into `rows`."""
+    target = batched.narrow(dim, rows.start, rows.stop - rows.start)
+    if not isinstance(part, torch.Tensor):
+        raise RunAlone(None, f"replaced by a {type(part).__name__}")
+    try:
+        target.copy_(part if part.dim() == target.dim() else part.unsqueeze(dim))
+    except RuntimeError:
+        raise RunAlone(None, f"replaced by a tensor of shape {tuple(part.shape)} where the batch "
+                             f"shares one of shape {tuple(target.shape[:dim] + target.shape[dim + 1:])}") from None
+
+
+def swap(full, part, rows, total, layout=None, dim=0, expanded=None):
+    """`full` with batch rows `rows` replaced by `part` (the whole of `full` stays intact).
+
+    A leaf the batch shares gets a batch axis of its own, the other rows keeping the
+    original (`expand`; its index is appended to `expanded`); a leaf reduced over the batch
+    raises `RunAlone`.
+    """
+    counter = [0]
+
+    def walk(f, p):
+        if isinstance(f, torch.Tensor):
+            i = counter[0]
+            counter[0] = i + 1
+            axis = axis_of(f, layout[i] if layout is not None and i < len(layout) else None,
+                           total, dim)
+            if axis == SHARED:
+                if expanded is not None:
+                    expanded.append(i)
+                return expand(f, rows, p, total, dim)
+            if axis == REDUCED:
+                raise RunAlone(None, "reduced over the batch, and assigned")
+            if not isinstance(p, torch.Tensor):
+                raise BatchingError(
+                    f"cannot assign {type(p).__name__} to the rows of a batched tensor of shape "
+                    f"{tuple(f.shape)}; assign a tensor with {rows.stop - rows.start} row(s)"
+                )
+            if type(axis) is tuple:
+                axis = axis[1]
+                p = p.unsqueeze(axis)
+            pieces = [f.narrow(axis, 0, rows.start), p,
+                      f.narrow(axis, rows.stop, f.shape[axis] - rows.stop)]
+            return torch.cat([x for x in pieces if x.shape[axis]], dim=axis)
+        if isinstance(f, (tuple, list)) and isinstance(p, (tuple, list)) and len(f) == len(p):
+            items = [walk(a, b) for a, b in zip(f, p)]
+            if isinstance(f, tuple):
+                return type(f)(*items) if hasattr(f, "_fields") else tuple(items)
+            return items
+        if isinstance(f, dict) and isinstance(p, dict):
+            out = {k: walk(f[k], v) if k in f else v for k, v in p.items()}
+            if type(f) is dict:
+                return out
+            try:
+                return type(f)(**out)
+            except Exception:  # noqa: BLE001
+                return out
+        return p
+
+    return walk(full, part)

@@ -21,10 +21,12 @@ tracing one model take turns; a trace of the model inside its own running body i
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
-from ..errors import InterlaceError
-from .batching import Batcher
+from ..errors import BatchingWarning, InterlaceError
+from .axes import Learner
+from .batching import Batcher, BatchingError, RunAlone
 from .interleaver import Interleaver
 from .state import ModelState
 
@@ -35,9 +37,14 @@ class Engine:
     """One wrapped model's state (locations, learned order, whose turn, the running trace)
     and `interleave`, the single entry that runs it with bodies interleaved."""
 
-    def __init__(self, module, *, batcher=None, aliases=None, envoy_classes=None):
+    def __init__(self, module, *, batcher=None, aliases=None, envoy_classes=None,
+                 batch_dim=None):
         self.state = ModelState(module)
         self.batcher = batcher if batcher is not None else _PLAIN
+        self.batch_dim = batch_dim  # given by the user (Model(batch_dim=)), else None
+        self.sequence_first = None  # (path, module) of a batch_first=False module, or ()
+        self.warned = set()  # locations whose items ran alone (warned once each)
+        self.ran_alone = 0  # batched runs whose items ran alone instead
         self.lock = threading.Lock()
         self.owner = None  # thread ident of the running trace
         self.running = None  # the running Interleaver (whatever thread runs it)
@@ -86,6 +93,7 @@ class Engine:
         else:
             call, args, kwargs = self._build(interleaver, invokes, run, batcher, edits)
         # This model's turn (other threads' traces first), then the run.
+        together = False
         me = threading.get_ident()
         if not self.lock.acquire(blocking=False):
             if self.owner == me:
@@ -98,13 +106,88 @@ class Engine:
         self.owner = me
         self.running = interleaver
         try:
+            if interleaver.total is not None:
+                layouts = self.state.layouts
+                if layouts is None:  # the model's first batched run: learn (axes.py)
+                    interleaver.learner = Learner(self.state, interleaver.total,
+                                                  interleaver.dim)
+                    layouts = interleaver.learner.signatures
+                interleaver.layouts = layouts
             return interleaver.run(call, args, kwargs, run is None)
+        except RunAlone as signal:
+            alone = signal
+        except Exception as error:
+            if not (interleaver.expanded and interleaver.model_failed):
+                raise
+            # an item's edit gave a shared value a batch axis, and the model rejected it
+            alone = RunAlone(None, f"shared by the batch, and the model raised {type(error).__name__} "
+                                   f"({error}) after an item's edit gave it a batch axis")
         finally:
+            together = interleaver.together
             self.running = None
             self.owner = None
             self.lock.release()
             if interleaver.reusable and len(self.idle) < 2:
                 self.idle.append(interleaver)
+        return self._run_alone(alone, together, invokes, run, batcher, backward, edits)
+
+    def _run_alone(self, signal, together, invokes, run, batcher, backward, edits):
+        """A batched run could not give an item its own value (`RunAlone`): run each invoke
+        alone instead (their bodies run again: side effects repeat), warning once per
+        location; invokes that share variables or wait at a barrier cannot run apart."""
+        state = self.state
+        name = ("the model's output (tracer.result, sweep.output)" if signal.key == state.result_key
+                else state.key_name(signal.key) if signal.key is not None else "a value")
+        where = signal.where
+        at = f" at {where[0]}:{where[1]}" if where else ""
+        who = signal.label or "an item"
+        if together:
+            raise InterlaceError(
+                f"{who} reads {name}{at}, which is {signal.why}: its own value needs a run of "
+                f"its own, but these invokes share variables or wait at a barrier, so they "
+                f"cannot run apart. Read it in a trace of its own (or pass each invoke's "
+                f"inputs so that the value has a batch dimension, e.g. a per-row loss)"
+            ) from None
+        self.ran_alone += 1
+        if signal.key not in self.warned:
+            self.warned.add(signal.key)
+            message = (
+                f"{name} is {signal.why}, so no item of a batch can get its own value from a "
+                f"batched run: the items ran alone, one forward pass each (their bodies ran "
+                f"again: side effects such as prints or appends repeat, saved values are "
+                f"recorded once). Said once per location; see docs/batching.md"
+            )
+            if where:
+                warnings.warn_explicit(BatchingWarning(message), BatchingWarning, where[0], where[1])
+            else:
+                warnings.warn(BatchingWarning(message), stacklevel=3)
+        result = None
+        for invoke in invokes:
+            result = self.interleave([invoke], run=run, batcher=batcher, backward=backward,
+                                     edits=edits)
+        return result
+
+    def check_batch_dim(self, batcher):
+        """Refuse to batch a model with a sequence-first module until `batch_dim` is given:
+        concatenating its inputs on dim 0 would batch along time."""
+        if self.batch_dim is not None or batcher.batch_first:
+            return
+        if self.sequence_first is None:
+            found = ()
+            for path, module in zip(self.state.paths, self.state.modules):
+                if getattr(module, "batch_first", None) is False:
+                    found = (path, module)
+                    break
+            self.sequence_first = found
+        if self.sequence_first:
+            path, module = self.sequence_first
+            raise BatchingError(
+                f"cannot batch this model: {path} ({type(module).__name__}) takes batch_first="
+                f"False inputs (sequence, batch, ...), so concatenating invokes or sweep items "
+                f"along dim 0 would batch along time. Say where the batch is: "
+                f"interlace.Model(module, batch_dim=1) for sequence-first inputs, or "
+                f"batch_dim=0 if the model transposes its inputs itself"
+            )
 
     def _build(self, interleaver, invokes, run, batcher, edits):
         """Add the mediators of a run that batches, replays edits or has a run strategy;
@@ -117,11 +200,14 @@ class Engine:
             _add_edits(interleaver, edits, [None])
             interleaver.add(fn)
             return call, args, kwargs
+        if len(invokes) > 1:
+            self.check_batch_dim(batcher)
         prepared = [batcher.prepare(args, kwargs) for _, args, kwargs in invokes]
         args, kwargs = batcher.batch(prepared) if prepared else ((), {})
         if len(invokes) > 1:
             rows = batcher.slices(prepared)
             interleaver.total = rows[-1].stop
+            interleaver.dim = batcher.dim
             _add_edits(interleaver, edits, rows)
             for i, ((fn, _, _), part) in enumerate(zip(invokes, rows)):
                 interleaver.add(fn, part, label=f"invoke {i}")

@@ -29,7 +29,7 @@ from greenlet import getcurrent
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
 from . import compiled, grads, hooks
-from .batching import narrow, swap
+from .batching import RunAlone, expand, leaf, map_leaves, narrow, put, swap
 from .mediator import (
     DONE,
     FAILED,
@@ -108,6 +108,17 @@ class Interleaver(hotpath.Exchange):
         self.skipped = False  # a skip changes which modules run: do not learn that order
         self.root_call = False  # the run is one call of the root: its events are fired by hand
         self.reusable = False  # set by a teardown that emptied every per-run container
+        # Batched runs (batching.py): each leaf's batch axis from the probe's signatures
+        # (key -> leaves), the inputs' batch dim, the shared values served as copies
+        # [(mediator, event, [(leaf, original, copy, version)])], and what the engine needs
+        # to decide on running the items alone after a failure.
+        self.layouts = None
+        self.learner = None  # axes.Learner: the model's first batched run is followed
+        self.dim = 0
+        self.copies = []
+        self.expanded = False  # an item's edit gave a shared value a batch axis
+        self.model_failed = False  # the model (not a body) raised
+        self.together = False  # bodies shared variables or waited at a barrier
 
     # -- building -----------------------------------------------------------------------
 
@@ -129,15 +140,25 @@ class Interleaver(hotpath.Exchange):
         self.root_call = root_call
         self.thread = threading.get_ident()
         eager = compiled.force_eager()  # torch.compile'd code runs eagerly, hooks and all
+        learner = self.learner
         try:
+            if learner is not None:
+                learner.start(args, kwargs or {})
             if not self.backward:
-                return self._run(call, args, kwargs or {})
-            grads.install("backward")
-            try:
-                return self._run(call, args, kwargs or {})
-            finally:
-                grads.uninstall("backward")
+                result = self._run(call, args, kwargs or {})
+            else:
+                grads.install("backward")
+                try:
+                    result = self._run(call, args, kwargs or {})
+                finally:
+                    grads.uninstall("backward")
+            if learner is not None:
+                self.state.layouts = learner.signatures  # learned: later runs read them
+            return result
         finally:
+            if learner is not None:
+                self.learner = None
+                learner.stop()
             if eager is not None:
                 compiled.restore(eager)
             self._teardown()
@@ -164,6 +185,7 @@ class Interleaver(hotpath.Exchange):
         if len(mediators) > 1 and shares(mediators):
             self.shared = Sharing(mediators)
             self.paused = self._paused
+            self.together = True
         self._start()
         aborted = stopped = False
         result = None
@@ -171,6 +193,8 @@ class Interleaver(hotpath.Exchange):
             try:
                 if self.root_call:
                     root = state.root
+                    if self.learner is not None:
+                        self.learner.record(0, (args, kwargs))
                     replaced = self.pre_hook(0)(root, args, kwargs)
                     if replaced is not None:
                         args, kwargs = replaced
@@ -185,6 +209,7 @@ class Interleaver(hotpath.Exchange):
             except _Stop:
                 stopped = True
             except Exception as error:
+                self.model_failed = True
                 if self.last_write is not None and hasattr(error, "add_note"):
                     key, filename, lineno = self.last_write
                     error.add_note(
@@ -198,6 +223,8 @@ class Interleaver(hotpath.Exchange):
                     state.learn(hub.record)
                 if state.order is not None:
                     hub.position = len(state.order)  # the call is over: all of it has passed
+                if self.learner is not None:
+                    self.learner.record(state.result_key, result)
                 try:
                     event = self.deliver(state.result_key, hub.fire(state.result_key), result)
                 except (_Abort, _Stop):
@@ -325,8 +352,36 @@ class Interleaver(hotpath.Exchange):
             raise _Stop()
 
     def _paused(self, mediator, event):
+        if self.copies:
+            self._check_copies(mediator)
         if self.shared is not None or self.held or self.released:
             self._share(mediator, event)
+
+    def _check_copies(self, mediator):
+        """`mediator` paused or ended: a shared value it edited in place (its own copy, see
+        `_part`) becomes its rows of a batched value, the other rows keeping the original."""
+        kept = []
+        for record in self.copies:
+            owner, event, shared = record
+            if owner is not mediator:
+                kept.append(record)
+                continue
+            for index, original, copy, version in shared:
+                if copy._version == version:
+                    continue
+                current = leaf(event.value, index)
+                try:
+                    if current is original:
+                        batched = expand(original, mediator.rows, copy, self.total, self.dim)
+                        event.value = map_leaves(
+                            event.value, lambda i, t: batched if i == index else t)
+                        event.replaced = True
+                    else:  # an earlier item's edit batched it already
+                        put(current, mediator.rows, copy, self.dim)
+                except RunAlone as signal:
+                    raise self._alone(signal, event.key, mediator) from None
+                self.expanded = True
+        self.copies = kept
 
     def _resume(self, mediator, event, payload=None):
         message = self.resume(mediator, event, payload)
@@ -383,6 +438,8 @@ class Interleaver(hotpath.Exchange):
         self.routed = self.message = None
         self.serving = self.stopper = self.shared = self.failure = None
         self.mediators = []
+        if self.copies:
+            self.copies = []
         if self.cut_short:
             self.cut_short = []
         if self.observers:
@@ -446,6 +503,7 @@ class Interleaver(hotpath.Exchange):
         """
         self.held[mediator] = holder
         self.paused = self._paused
+        self.together = True
         mediator.event = None
         mediator.wait(PARKED)
 
@@ -541,7 +599,32 @@ class Interleaver(hotpath.Exchange):
         event = self.request(key, mediator)
         if mediator.rows is None:
             return event.value
-        return narrow(event.value, mediator.rows, self.total)
+        return self._part(event, mediator, key)
+
+    def _part(self, event, mediator, key):
+        """`mediator`'s rows of `event`'s value; a leaf the batch shares comes as a copy of
+        its own (an in-place edit then stays the item's: `_check_copies`)."""
+        layouts = self.layouts
+        shared = []
+        try:
+            value = narrow(event.value, mediator.rows, self.total,
+                           layouts.get(key) if layouts else None, self.dim, shared)
+        except RunAlone as signal:
+            raise self._alone(signal, key, mediator) from None
+        if shared:
+            self.copies.append((mediator, event, shared))
+            self.paused = self._paused
+        return value
+
+    def _alone(self, signal, key, mediator):
+        """`signal` (RunAlone) completed with the location, the body's label and line."""
+        signal.key = key
+        signal.label = mediator.label
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            frame = frame.f_back
+        signal.where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+        return signal
 
     def write(self, key, value):
         mediator = self.current
@@ -554,7 +637,15 @@ class Interleaver(hotpath.Exchange):
         if frame is not None:
             self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
         if mediator.rows is not None:
-            value = swap(event.value, value, mediator.rows, self.total)
+            layouts = self.layouts
+            expanded = []
+            try:
+                value = swap(event.value, value, mediator.rows, self.total,
+                             layouts.get(key) if layouts else None, self.dim, expanded)
+            except RunAlone as signal:
+                raise self._alone(signal, key, mediator) from None
+            if expanded:
+                self.expanded = True
         event.value = value
         event.replaced = True
 

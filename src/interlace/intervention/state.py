@@ -51,6 +51,9 @@ class ModelState:
         # above result_key, allocated on first use and stable for the model's life.
         self.extra = {}  # owner -> first key of its block
         self.extra_names = []
+        # What a probe run of one item alone saw at each location (probe.py): which dim of
+        # each value carries the batch. None until the model's first batched run.
+        self.layouts = None
 
     def add_locations(self, owner, names):
         """The first of `len(names)` keys for locations `owner` adds (the same keys every time)."""

@@ -162,7 +162,12 @@ class _InvokeBackend(Backend):
         parent = invoker.parent
         assigned = invoker.block.assigned_names
         before = parent._invoke_assigns  # names the earlier invokes assign (kept as they come)
-        shadowed = frozenset(before - assigned) if before else frozenset()
+        if not before:
+            shadowed = frozenset()
+        elif invoker.block.kind == "module":  # (its reads are global lookups: any may take)
+            shadowed = frozenset(before - assigned)
+        else:  # only names the body mentions can come from an earlier invoke
+            shadowed = frozenset(before.intersection(invoker.block.names) - assigned)
         invoker._deferred = _InvokeRun(parent, invoker.defer(), shadowed)
         parent._invokes.append(invoker)
         before.update(assigned)

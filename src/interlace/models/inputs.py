@@ -45,13 +45,19 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def prepare(inputs, tokenizer=None, *, attention_mask=None) -> dict[str, torch.Tensor]:
-    """One invoke's prompts -> a left-padded batch `{"input_ids", "attention_mask", ...}`.
+def prepare(inputs, tokenizer=None, *, attention_mask=None, strip=False) -> dict[str, torch.Tensor]:
+    """One invoke's prompts -> a batch `{"input_ids", "attention_mask", ...}`.
 
-    `attention_mask` is the mask a user passed beside token ids (`trace(ids, attention_mask=m)`).
-    Raises `ValueError` for empty prompts and `TypeError` for forms we do not accept.
+    Token ids (and tokenizer output) of one width are kept as given, padding and all (what
+    the user tokenized is what the model gets); rows of different widths, or any rows when
+    `strip` (a generation, which continues from the last column), lose their padding and
+    are left-padded together. `attention_mask` is the mask a user passed beside token ids
+    (`trace(ids, attention_mask=m)`). Raises `ValueError` for empty prompts and `TypeError`
+    for forms we do not accept.
     """
     rows = _rows(inputs, tokenizer, attention_mask)
+    if strip:
+        rows = [_strip(row) for row in rows]
     return _pad(rows, tokenizer)
 
 
@@ -168,7 +174,7 @@ def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
     return ids.long()
 
 
-def _rows_from_ids(ids: torch.Tensor, attention_mask, strip=True):
+def _rows_from_ids(ids: torch.Tensor, attention_mask):
     ids = _check_ids(ids, "input_ids")
     ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
     if attention_mask is None:
@@ -181,8 +187,7 @@ def _rows_from_ids(ids: torch.Tensor, attention_mask, strip=True):
                 f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
                 f"{tuple(ids.shape)}; they must match"
             )
-    rows = [{"input_ids": ids[i], "attention_mask": mask[i].to(ids.device)} for i in range(ids.shape[0])]
-    return [_strip(row) for row in rows] if strip and attention_mask is not None else rows
+    return [{"input_ids": ids[i], "attention_mask": mask[i].to(ids.device)} for i in range(ids.shape[0])]
 
 
 def _rows_from_id_lists(lists, attention_mask):
@@ -221,20 +226,21 @@ def _rows_from_mapping(mapping, attention_mask):
     ids = mapping["input_ids"]
     ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
     mask = mapping.get("attention_mask", attention_mask)
-    rows = _rows_from_ids(ids, mask, strip=False)
+    rows = _rows_from_ids(ids, mask)
     for key in set(mapping) - {"input_ids", "attention_mask"}:
         value = torch.as_tensor(mapping[key]).long()
         value = value.unsqueeze(0) if value.dim() == 1 else value
         for i, row in enumerate(rows):
             row[key] = value[i]
-    return [_strip(row) for row in rows]
+    return rows
 
 
 def _strip(row):
     """Drop padding from a row whose mask is one contiguous run of ones (left or right padded).
 
-    Right-padded tokenizer output is re-padded on the left so generation continues from the
-    last real token. A mask with holes is kept as the user gave it.
+    Rows of different widths batched together, and a generation's rows, are re-padded on the
+    left (a generation continues from the last column). A mask with holes is kept as the
+    user gave it.
     """
     mask = row["attention_mask"]
     if mask.dim() != 1:
@@ -249,11 +255,15 @@ def _strip(row):
 
 
 def _pad(rows, tokenizer) -> dict[str, torch.Tensor]:
-    """Left-pad rows to the longest (with the tokenizer's pad id) and stack them."""
+    """Stack rows of one width as they are; rows of different widths lose their own padding
+    and are left-padded to the longest (with the tokenizer's pad id)."""
     lengths = [row["input_ids"].shape[0] for row in rows]
     length = max(lengths)
     if min(lengths) == length:
         return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    rows = [_strip(row) for row in rows]
+    lengths = [row["input_ids"].shape[0] for row in rows]
+    length = max(lengths)
     pad_id = pad_token_id(tokenizer)
     out = {}
     for key in rows[0]:
@@ -283,6 +293,7 @@ class PromptBatcher(Batcher):
     """
 
     as_given = False  # even one prompt is tokenized and padded
+    batch_first = True  # token ids are (batch, tokens), always
 
     def __init__(self, module, tokenizer, *, generate=False):
         self.module = module
@@ -334,7 +345,7 @@ class PromptBatcher(Batcher):
             )
         if "position_ids" in kwargs:
             raise TypeError(POSITION_IDS)
-        batch = prepare(prompt, self.tokenizer, attention_mask=attention_mask)
+        batch = prepare(prompt, self.tokenizer, attention_mask=attention_mask, strip=self.generate)
         return batch, kwargs
 
     def model_kwargs(self, batch: dict, kwargs: dict, *, positions=True) -> dict:

@@ -34,7 +34,8 @@ from ..intervention.tracer import InterleavingTracer
 class Model(Envoy):
     """A traceable model: `Model(module)` (alias `NNsight`), then `with model.trace(x):`."""
 
-    def __init__(self, module: torch.nn.Module, *, rename=None, envoys=None, _batcher=None):
+    def __init__(self, module: torch.nn.Module, *, rename=None, envoys=None, batch_dim=None,
+                 _batcher=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
                 f"Model wraps a torch.nn.Module, got {type(module).__name__}; for a "
@@ -45,9 +46,19 @@ class Model(Envoy):
                 f"envoys= takes an Envoy subclass or a dict {{module class or path suffix: "
                 f"Envoy subclass}}, got {type(envoys).__name__}"
             )
+        if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int)
+                                      or batch_dim < 0):
+            raise ValueError(
+                f"batch_dim= is the dimension of the model's inputs that invokes and sweep items "
+                f"are concatenated along: a non-negative int (0 for batch-first inputs, 1 for "
+                f"(sequence, batch, ...)), got {batch_dim!r}"
+            )
+        if _batcher is None and batch_dim is not None:
+            _batcher = Batcher(batch_dim)
         engine = Engine(module, batcher=_batcher, aliases=aliases.plan(module, rename, SERVED),
-                        envoy_classes=envoys)
-        object.__setattr__(self, "_options", {"rename": rename, "envoys": envoys})
+                        envoy_classes=envoys, batch_dim=batch_dim)
+        object.__setattr__(self, "_options", {"rename": rename, "envoys": envoys,
+                                              "batch_dim": batch_dim})
         super().__init__(module, "model", _engine=engine)
         collisions = served_collisions(module)
         if collisions:

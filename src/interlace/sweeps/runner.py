@@ -16,7 +16,9 @@ batching strategy) and shows each body only its own rows. What this module adds 
   the smaller size for later batches). An item's body raised: run the items before it that
   have not finished (the failing batch was unwound) and raise the error, so that the
   finished items are exactly those before the failing one, whatever the batching. The model
-  raised without naming an item: bisect until it does. Ctrl-C: stop at once.
+  raised without naming an item: run the batch's items alone; one that raises alone is named,
+  and if none does the error was the batch's own (a keyword with one row for the whole
+  batch): warn once and run the rest of the sweep with batch size 1. Ctrl-C: stop at once.
 - `InOrder`: commits finished items to the results in item order;
 - `choose_batch_size`: the automatic size, from the input length and (on a GPU) free memory.
 
@@ -26,9 +28,12 @@ list) happen again; their saved values are recorded once, from the run that fini
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from ..errors import InterlaceError
+from ..errors import BatchingWarning, InterlaceError
+from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
 from ..intervention.envoy import engine_of, module_of
 from .body import ItemBody, item_of, name_item
@@ -227,13 +232,19 @@ class Runner:
         # A body with `with loss.backward():` runs alone: each item's backward pass would
         # free the batch's graph that the other items' backward passes still need.
         self.size = 1 if job.backward else size
+        self.engine = engine_of(model)
+        self.lowered = False  # the batch size was lowered to 1 after a batch-only model error
 
     def run_window(self, entries, done):
         """Run `entries` (in item order, any keys) in batches; `done(entry, saved)` for each.
 
         On an error raised for item k, first runs the entries before k that are not done.
         """
-        for batch in plan_batches(entries, self.size):
+        pending = list(entries)
+        while pending:  # planned batch by batch: a failure may lower the size for the rest
+            batch = plan_batches(pending, self.size)[0]
+            taken = set(map(id, batch))
+            pending = [e for e in pending if id(e) not in taken]
             try:
                 self.run(batch, done)
             except Exception as error:
@@ -246,6 +257,7 @@ class Runner:
 
     def run(self, entries, done):
         """Run one batch (one key) with the retry and attribution policy."""
+        ran_alone = self.engine.ran_alone
         try:
             saved = run_batch(self.model, self.job, entries)
         except torch.OutOfMemoryError as error:
@@ -258,16 +270,33 @@ class Runner:
             self.run(entries[:half], done)
             self.run(entries[half:], done)
             return
+        except BatchingError:
+            raise  # the inputs cannot be batched at all (a sequence-first model, batch_dim)
         except Exception as error:
             if item_of(error) is not None:
                 raise  # run_window finishes the items before it (in this batch and others)
             if len(entries) == 1:
                 name_item(error, entries[0].index, entries[0].item)
                 raise
-            half = len(entries) // 2  # the model raised: find the item that makes it raise
-            self.run(entries[:half], done)
-            self.run(entries[half:], done)
+            # The model raised without naming an item: run the items alone. If one raises
+            # alone, that is its error; if none does, the model fails only when batched
+            # (a shared one-row keyword, say): the rest of the sweep runs alone too.
+            for entry in entries:
+                self.run([entry], done)
+            self.size = 1
+            if not self.lowered:
+                self.lowered = True
+                warnings.warn(BatchingWarning(
+                    f"the model raised when {len(entries)} items ran as one batch, and ran "
+                    f"each of them alone ({type(error).__name__}: {str(error).rstrip('.')}). "
+                    f"The rest of the "
+                    f"sweep runs with batch_size=1 (its bodies ran again for these items: "
+                    f"side effects repeat); fix the inputs that do not batch (a keyword with "
+                    f"one row for the whole batch?) to batch again"
+                ), stacklevel=2)
             return
+        if self.engine.ran_alone != ran_alone:
+            self.size = 1  # items read a value reduced over the batch: they run alone anyway
         for entry, values in zip(entries, saved):
             done(entry, values)
 
