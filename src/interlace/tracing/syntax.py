@@ -28,7 +28,10 @@ they mean inline; refusing them up front means a body is never run twice or half
 
 `global x` in the body is kept: the body's writes to `x` go to the module globals at once, as
 inline (the caller's function has `x` global too, the declaration being function-wide; at
-module level `x` is a global anyway).
+module level `x` is a global anyway). `global x` in the caller's function (or class body)
+outside the `with` is function-wide as well: a name the body binds that the caller declares
+global (`_caller_globals`, read from the caller's bytecode) is declared `global` in the body
+too, so the body reads and writes the module global at once, as inline.
 `nonlocal x` in the body is dropped: the caller's function already declares `x` free (the
 declaration is function-wide), so in the body `x` is an ordinary caller local, read from the
 caller's cell and, if saved (or in a nested trace), written back to that cell.
@@ -64,6 +67,7 @@ _CO_OPTIMIZED = 0x1
 _WITH_LINE = re.compile(r"[ \t\f]*(?:async[ \t]+)?with\b")
 _WITH_LINE_LOOKBACK = 200  # lines searched upwards for the `with` of a multi-line header
 _FUNCTION_FIELDS = ast.FunctionDef._fields
+_GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
 class CallSite:
@@ -295,7 +299,9 @@ def build_block(frame, steps):
     _refuse_escapes(statements, filename, node.lineno, code.co_name)
     kind = _kind(frame)
     statements, declared_global, declared_nonlocal = _scope_declarations(statements, kind)
-    assigned = (_bound_names(statements) - declared_global) | declared_nonlocal
+    bound_names = _bound_names(statements)
+    declared_global |= _caller_globals(code, kind, bound_names)
+    assigned = (bound_names - declared_global) | declared_nonlocal
     if kind == "module":
         # Names the body only reads stay global lookups (live, like inline); names it binds
         # start from the global's current value, then stay the body's own (a copy).
@@ -470,6 +476,33 @@ def _scope_declarations(statements, kind):
     return statements, declared_global, declared_nonlocal
 
 
+def _caller_globals(code, kind, bound):
+    """The names in `bound` (those the body binds) that the caller's own scope declares
+    `global`: the declaration is scope-wide, so the body's bindings of them are module-global
+    writes, as inline, wherever the `global` statement stands in the function or class body.
+
+    The body's code is part of the caller's, where a declared global is bound by
+    STORE_GLOBAL/DELETE_GLOBAL (a function's comprehensions on 3.10/3.11, and functions it
+    defines, are nested code objects: searched too, less the caller's own locals, which a
+    nested function's own `global` does not make global here). The nested code of a class
+    body or a module is never their scope (and at module level STORE_GLOBAL means a `global`
+    statement there, a no-op for Python but one that asks for the global itself rather than
+    the module rule of binding a copy and writing back what is saved). A name the body binds
+    under private-name mangling (`__x` in a method) is stored under its mangled name, so it
+    is not taken for a global.
+    """
+    found = set()
+    todo = [code]
+    while todo:
+        current = todo.pop()
+        found.update(ins.argval for ins in dis.get_instructions(current) if ins.opname in _GLOBAL_STORES)
+        if kind == "function":
+            todo.extend(const for const in current.co_consts if type(const) is types.CodeType)
+    if kind == "function":
+        found.difference_update(code.co_varnames + code.co_cellvars + code.co_freevars)
+    return found & bound
+
+
 def _bound_names(statements):
     """Names the statements bind in their own scope (not inside nested defs/lambdas/classes)."""
     bound = set()
@@ -535,6 +568,10 @@ def build(block, params):
         defaults=[],
     )
     body = list(statements) + [returns]
+    if block.declared_global:
+        # The body's own `global` statements are in it already; the caller's are not (they
+        # stand outside the `with`). Declared first, as the caller's scope-wide ones act.
+        body.insert(0, ast.Global(names=sorted(block.declared_global), **loc))
     unbound = [name for name in block.names if name in block.caller_locals and name not in params]
     if unbound:
         # The caller's locals that are unbound right now must stay *locals* of the body, so
