@@ -29,9 +29,10 @@ they mean inline; refusing them up front means a body is never run twice or half
 `global x` in the body is kept: the body's writes to `x` go to the module globals at once, as
 inline (the caller's function has `x` global too, the declaration being function-wide; at
 module level `x` is a global anyway). `global x` in the caller's function (or class body)
-outside the `with` is function-wide as well: a name the body binds that the caller declares
+outside the `with` is scope-wide as well: a name the body binds that the caller declares
 global (`_caller_globals`, read from the caller's bytecode) is declared `global` in the body
-too, so the body reads and writes the module global at once, as inline.
+too, so the body reads and writes the module global at once, as inline. (At module level a
+`global` statement outside the body is a no-op, for Python and here.)
 `nonlocal x` in the body is dropped: the caller's function already declares `x` free (the
 declaration is function-wide), so in the body `x` is an ordinary caller local, read from the
 caller's cell and, if saved (or in a nested trace), written back to that cell.
@@ -68,6 +69,7 @@ _WITH_LINE = re.compile(r"[ \t\f]*(?:async[ \t]+)?with\b")
 _WITH_LINE_LOOKBACK = 200  # lines searched upwards for the `with` of a multi-line header
 _FUNCTION_FIELDS = ast.FunctionDef._fields
 _GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
+_COMPREHENSION_NAMES = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})  # 3.10/3.11 code objects
 
 
 class CallSite:
@@ -477,29 +479,29 @@ def _scope_declarations(statements, kind):
 
 
 def _caller_globals(code, kind, bound):
-    """The names in `bound` (those the body binds) that the caller's own scope declares
-    `global`: the declaration is scope-wide, so the body's bindings of them are module-global
-    writes, as inline, wherever the `global` statement stands in the function or class body.
+    """The names in `bound` (those the body binds) that the caller's function or class body
+    declares `global`: the declaration is scope-wide, so the body's bindings of them are
+    module-global writes, as inline, wherever the `global` statement stands.
 
-    The body's code is part of the caller's, where a declared global is bound by
-    STORE_GLOBAL/DELETE_GLOBAL (a function's comprehensions on 3.10/3.11, and functions it
-    defines, are nested code objects: searched too, less the caller's own locals, which a
-    nested function's own `global` does not make global here). The nested code of a class
-    body or a module is never their scope (and at module level STORE_GLOBAL means a `global`
-    statement there, a no-op for Python but one that asks for the global itself rather than
-    the module rule of binding a copy and writing back what is saved). A name the body binds
-    under private-name mangling (`__x` in a method) is stored under its mangled name, so it
-    is not taken for a global.
+    The body's code is part of the caller's, where a declared global is bound by STORE_GLOBAL
+    or DELETE_GLOBAL; a walrus in a comprehension binds in the function too, from the
+    comprehension's own code object on 3.10/3.11 (searched as well; no other nested code is
+    the caller's scope). The caller's local names are no guide: 3.12+ lists a global that an
+    inlined comprehension's walrus binds among them. A name bound under private-name mangling
+    (`__x` in a method) is stored under its mangled name, so it is never taken for a global.
+    At module level `global` is a no-op, and so it stays here (the module rule holds: the body
+    binds a copy, written back when saved); nor could it be read there, as 3.12+ stores a
+    comprehension's walrus target with STORE_GLOBAL, declared or not.
     """
+    if kind == "module":
+        return set()
     found = set()
     todo = [code]
     while todo:
         current = todo.pop()
         found.update(ins.argval for ins in dis.get_instructions(current) if ins.opname in _GLOBAL_STORES)
         if kind == "function":
-            todo.extend(const for const in current.co_consts if type(const) is types.CodeType)
-    if kind == "function":
-        found.difference_update(code.co_varnames + code.co_cellvars + code.co_freevars)
+            todo.extend(c for c in current.co_consts if type(c) is types.CodeType and c.co_name in _COMPREHENSION_NAMES)
     return found & bound
 
 
