@@ -28,7 +28,11 @@ they mean inline; refusing them up front means a body is never run twice or half
 
 `global x` in the body is kept: the body's writes to `x` go to the module globals at once, as
 inline (the caller's function has `x` global too, the declaration being function-wide; at
-module level `x` is a global anyway).
+module level `x` is a global anyway). `global x` in the caller's function (or class body)
+outside the `with` is scope-wide as well: a name the body binds that the caller declares
+global (`_caller_globals`, read from the caller's bytecode) is declared `global` in the body
+too, so the body reads and writes the module global at once, as inline. (At module level a
+`global` statement outside the body is a no-op, for Python and here.)
 `nonlocal x` in the body is dropped: the caller's function already declares `x` free (the
 declaration is function-wide), so in the body `x` is an ordinary caller local, read from the
 caller's cell and, if saved (or in a nested trace), written back to that cell.
@@ -64,6 +68,8 @@ _CO_OPTIMIZED = 0x1
 _WITH_LINE = re.compile(r"[ \t\f]*(?:async[ \t]+)?with\b")
 _WITH_LINE_LOOKBACK = 200  # lines searched upwards for the `with` of a multi-line header
 _FUNCTION_FIELDS = ast.FunctionDef._fields
+_GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
+_COMPREHENSION_NAMES = frozenset({"<listcomp>", "<setcomp>", "<dictcomp>", "<genexpr>"})  # 3.10/3.11 code objects
 
 
 class CallSite:
@@ -295,7 +301,9 @@ def build_block(frame, steps):
     _refuse_escapes(statements, filename, node.lineno, code.co_name)
     kind = _kind(frame)
     statements, declared_global, declared_nonlocal = _scope_declarations(statements, kind)
-    assigned = (_bound_names(statements) - declared_global) | declared_nonlocal
+    bound_names = _bound_names(statements)
+    declared_global |= _caller_globals(code, kind, bound_names)
+    assigned = (bound_names - declared_global) | declared_nonlocal
     if kind == "module":
         # Names the body only reads stay global lookups (live, like inline); names it binds
         # start from the global's current value, then stay the body's own (a copy).
@@ -470,6 +478,33 @@ def _scope_declarations(statements, kind):
     return statements, declared_global, declared_nonlocal
 
 
+def _caller_globals(code, kind, bound):
+    """The names in `bound` (those the body binds) that the caller's function or class body
+    declares `global`: the declaration is scope-wide, so the body's bindings of them are
+    module-global writes, as inline, wherever the `global` statement stands.
+
+    The body's code is part of the caller's, where a declared global is bound by STORE_GLOBAL
+    or DELETE_GLOBAL; a walrus in a comprehension binds in the function too, from the
+    comprehension's own code object on 3.10/3.11 (searched as well; no other nested code is
+    the caller's scope). The caller's local names are no guide: 3.12+ lists a global that an
+    inlined comprehension's walrus binds among them. A name bound under private-name mangling
+    (`__x` in a method) is stored under its mangled name, so it is never taken for a global.
+    At module level `global` is a no-op, and so it stays here (the module rule holds: the body
+    binds a copy, written back when saved); nor could it be read there, as 3.12+ stores a
+    comprehension's walrus target with STORE_GLOBAL, declared or not.
+    """
+    if kind == "module":
+        return set()
+    found = set()
+    todo = [code]
+    while todo:
+        current = todo.pop()
+        found.update(ins.argval for ins in dis.get_instructions(current) if ins.opname in _GLOBAL_STORES)
+        if kind == "function":
+            todo.extend(c for c in current.co_consts if type(c) is types.CodeType and c.co_name in _COMPREHENSION_NAMES)
+    return found & bound
+
+
 def _bound_names(statements):
     """Names the statements bind in their own scope (not inside nested defs/lambdas/classes)."""
     bound = set()
@@ -535,6 +570,10 @@ def build(block, params):
         defaults=[],
     )
     body = list(statements) + [returns]
+    if block.declared_global:
+        # The body's own `global` statements are in it already; the caller's are not (they
+        # stand outside the `with`). Declared first, as the caller's scope-wide ones act.
+        body.insert(0, ast.Global(names=sorted(block.declared_global), **loc))
     unbound = [name for name in block.names if name in block.caller_locals and name not in params]
     if unbound:
         # The caller's locals that are unbound right now must stay *locals* of the body, so
