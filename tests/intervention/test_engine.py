@@ -91,6 +91,108 @@ def test_a_trace_of_the_model_inside_its_own_body_is_an_error(mlp, x6):
     assert not engine_of(model).lock.locked()
 
 
+def _nested_in_threads(orders, cases, together):
+    """Thread i traces orders[i][0] and, in its body, orders[i][1]. `cases`: model -> (input,
+    body reading one value and returning it saved). together="outer": every thread holds
+    its outer model before any starts its inner trace; "start": they start together.
+    Returns ({thread: {model: value}}, {thread: error}, {thread: seconds from its inner
+    trace's start to its error}); fails, rather than hangs, if a thread is stuck."""
+    met = threading.Barrier(len(orders), timeout=10)
+    results, errors, waited, starts = {}, {}, {}, {}
+
+    def work(i):
+        first, second = orders[i]
+        (x, read), (y, read_second) = cases[first], cases[second]
+        try:
+            if together == "start":
+                met.wait()
+            with torch.no_grad(), first.trace(x):
+                a = read(first)
+                if together == "outer":
+                    met.wait()
+                starts[i] = time.perf_counter()  # a mutation: the body's locals stay its own
+                with second.trace(y):
+                    b = read_second(second)
+            results[i] = {first: a, second: b}
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors[i] = error
+            if i in starts:
+                waited[i] = time.perf_counter() - starts[i]
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(orders))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 15
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "nested traces in several threads hang"
+    return results, errors, waited
+
+
+@pytest.fixture
+def two_models(mlp, gpt2, x6):
+    """An MLP and GPT-2 `Model`, each with its input, body and plain-torch reference."""
+    tokens = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(3))
+    small, big = interlace.Model(mlp), interlace.Model(gpt2)
+    cases = {small: (x6, lambda m: m[2].output.save()),
+             big: (tokens, lambda m: m.lm_head.output.save())}
+    with torch.no_grad():
+        expected = {small: mlp[:3](x6), big: gpt2(tokens).logits}
+    return small, big, cases, expected
+
+
+def _check_one_raised_the_rest_ran(results, errors, waited, expected, names):
+    """Exactly one thread got the deadlock error, naming every model, within a second; every
+    other thread ran, with plain torch's values; no model is left taken."""
+    assert len(errors) == 1 and len(results) == len(expected) - 1, (errors, results)
+    [(loser, error)] = errors.items()
+    assert isinstance(error, InterlaceError), repr(error)
+    message = str(error)
+    assert message.startswith("deadlock: ") and "same order" in message
+    assert all(name in message for name in names), message
+    assert waited[loser] < 1.0
+    for values in results.values():
+        for model, value in values.items():
+            torch.testing.assert_close(value, expected[model], rtol=0, atol=0)
+    for model in expected:
+        engine = engine_of(model)
+        assert engine.owner is None and not engine.lock.locked()
+
+
+def test_nested_traces_in_opposite_orders_in_two_threads_raise_instead_of_hanging(two_models):
+    """Thread 0: MLP trace, GPT-2 trace in its body; thread 1: GPT-2 then MLP. Each holds one
+    model and waits for the other: one of them raises an InterlaceError naming both models
+    (within a second), and the other one runs and gets plain torch's values."""
+    small, big, cases, expected = two_models
+    outcome = _nested_in_threads([(small, big), (big, small)], cases, together="outer")
+    _check_one_raised_the_rest_ran(*outcome, expected, ["Sequential", "GPT2LMHeadModel"])
+
+
+def test_a_wait_cycle_through_three_threads_raises_instead_of_hanging(x6):
+    models = []
+    for width in (5, 7, 9):  # three classes-alike models told apart by their modules
+        torch.manual_seed(width)
+        models.append(interlace.Model(torch.nn.Sequential(torch.nn.Linear(6, width)).eval()))
+    cases = {m: (x6, lambda m: m[0].output.save()) for m in models}
+    with torch.no_grad():
+        expected = {m: engine_of(m).module(x6) for m in models}
+    outcome = _nested_in_threads([(models[i], models[(i + 1) % 3]) for i in range(3)], cases,
+                                 together="outer")
+    _check_one_raised_the_rest_ran(*outcome, expected,
+                                   [f"{id(engine_of(m).module):#x}" for m in models])
+
+
+def test_nested_traces_in_the_same_order_in_two_threads_both_run(two_models):
+    small, big, cases, expected = two_models
+    results, errors, _ = _nested_in_threads([(small, big), (small, big)], cases,
+                                            together="start")
+    assert not errors, errors
+    assert sorted(results) == [0, 1]
+    for values in results.values():
+        for model, value in values.items():
+            torch.testing.assert_close(value, expected[model], rtol=0, atol=0)
+
+
 class _Recording(Batcher):
     """The default batching, recording what the engine asks of it."""
 

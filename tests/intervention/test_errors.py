@@ -223,6 +223,18 @@ def test_nested_trace_of_same_model(mlp_model, x6):
                 pass
 
 
+def test_value_read_in_a_nested_trace_of_another_model(mlp_model, x6):
+    """The outer model's run waits for the inner trace: its values cannot come there, and the
+    error says so (not "another thread")."""
+    other = interlace.Model(torch.nn.Sequential(torch.nn.Linear(6, 3)))
+    with pytest.raises(InterlaceError, match=r"^model\.0\.output was read in the body of a "
+                                             r"trace of another model, nested in the body that "
+                                             r"traces this one.*before or after the inner"):
+        with mlp_model.trace(x6):
+            with other.trace(x6):
+                h = mlp_model[0].output.save()  # noqa: F841
+
+
 def test_value_read_from_another_thread(mlp_model, x6):
     errors = []
 

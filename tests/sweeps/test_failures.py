@@ -191,6 +191,21 @@ def test_item_and_output_outside_the_body(model, corrupt):
         sweep.output  # noqa: B018
 
 
+def test_item_in_another_trace_and_output_in_a_nested_trace(model, mlp_model, corrupt):
+    """`sweep.item` works in a trace of another model nested in the body (test_local.py);
+    `sweep.output` there cannot (the item's forward waits for that trace), and a later trace
+    of the model is not the sweep's body: each error says where to read it instead."""
+    with pytest.raises(InterlaceError, match=r"sweep.output was read in the body of a trace "
+                                             r"of another model.*read it in the outer body"):
+        with torch.no_grad(), model.sweep([0], input=corrupt, progress=False) as sweep:
+            with mlp_model.trace(torch.zeros(1, 6)):
+                out = sweep.output.save()  # noqa: F841
+    with pytest.raises(InterlaceError, match=r"sweep.item was read in the body of a trace that "
+                                             r"is not this sweep's"):
+        with torch.no_grad(), model.trace(corrupt):
+            item = sweep.item  # noqa: F841
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda m, x: m.sweep("abc", input=x), "to sweep one prompt, pass \\[prompt\\]"),
     (lambda m, x: m.sweep(5, input=x), "takes an iterable of items"),

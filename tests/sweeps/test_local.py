@@ -276,3 +276,41 @@ def test_each_item_starts_from_the_callers_variables(model, corrupt):
     assert seen == [None, 7.5, None, None, None]
     assert marker == [None, 7.5, None, None, None]
     assert len(h) == 5
+
+
+def test_sweep_item_and_index_inside_a_trace_of_another_model_in_the_body(
+        gpt2, model, mlp, mlp_model, corrupt):
+    """A trace of another model nested in the sweep body runs inside the item's body, so
+    `sweep.item` and `sweep.index` there are that item's; its values flow on into the item's
+    own edits. Reference: plain torch, item by item."""
+    items = [3, 1, 2, 0, 3]
+    x = torch.randn(1, 6, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), model.sweep(items, input=corrupt, batch_size=2,
+                                      progress=False) as sweep:
+        with mlp_model.trace(x):
+            mlp_model[2].output[:, sweep.item] = float(sweep.index)
+            seen = [sweep.item, sweep.index].save()
+            y = mlp_model.output.save()
+        model.transformer.h[0].output[:, 0, :4] += y[0]
+        inner = y.save()
+        pair = seen.save()
+        logits = model.lm_head.output[:, -1].save()
+    assert pair == [[item, index] for index, item in enumerate(items)]
+    for index, item in enumerate(items):
+        with torch.no_grad():
+            h = mlp[:3](x)
+            h[:, item] = float(index)
+            expected = mlp[3:](h)
+            same(inner[index], expected)
+
+            def add(module, args, out, y=expected):
+                out = out.clone()
+                out[:, 0, :4] += y[0]
+                return out
+
+            handle = gpt2.transformer.h[0].register_forward_hook(add)
+            try:
+                same(logits[index], gpt2(corrupt).logits[:, -1])
+            finally:
+                handle.remove()
+    assert_clean(gpt2)

@@ -16,6 +16,9 @@ in as *strategies*, not found on the model:
 The engine holds its module, never its wrapper or an Envoy (Envoys are kept weakly), so a
 wrapped model is freed by reference counting alone. One run per model at a time: two threads
 tracing one model take turns; a trace of the model inside its own running body is an error.
+Nested traces of several models in several threads never hang: a thread that would wait for
+a model whose tracer waits (maybe through others) for a model this thread is tracing raises
+an `InterlaceError` naming them (`_Waits`, a wait-for graph) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -95,15 +98,16 @@ class Engine:
         # This model's turn (other threads' traces first), then the run.
         together = False
         me = threading.get_ident()
-        if not self.lock.acquire(blocking=False):
+        if self.lock.acquire(blocking=False):
+            self.owner = me
+        else:
             if self.owner == me:
                 raise InterlaceError(
                     "this model is already being traced in this thread: a trace of the same "
                     "model cannot start inside another one's body; trace it after the outer "
                     "block, or wrap a second copy of the module"
                 )
-            self.lock.acquire()
-        self.owner = me
+            _WAITS.acquire(self, me)
         self.running = interleaver
         try:
             if interleaver.total is not None:
@@ -227,3 +231,79 @@ def _add_edits(interleaver, edits, rows_per_invoke):
         label = "edit" if rows is None else f"edit for invoke {i}"
         for make in edits:
             interleaver.add(make(), rows, label=label)
+
+
+class _Waits:
+    """Which thread waits for which engine: the wait-for graph that keeps nested traces of
+    several models in several threads from hanging.
+
+    A thread about to wait for an engine follows the graph from it (engine -> the thread
+    tracing it -> the engine that thread waits for -> ...); reaching itself means every
+    thread on the way would wait forever, so it raises instead. Checking and registering
+    happen under one mutex, so of the threads closing a cycle the last one sees it. An
+    engine's `owner` is set before its thread can wait for anything else (untaken engines
+    skip the graph), and under the mutex when it was waited for.
+    """
+
+    def __init__(self):
+        self.mutex = threading.Lock()
+        self.waiting = {}  # thread ident -> the engine it waits for
+
+    def acquire(self, engine, me):
+        """Take `engine`'s lock for thread `me`, or raise if waiting would deadlock."""
+        with self.mutex:
+            cycle = self.cycle(engine, me)
+            if cycle is not None:
+                raise InterlaceError(_deadlock_message(cycle))
+            self.waiting[me] = engine
+        taken = False
+        try:
+            taken = engine.lock.acquire()
+        finally:
+            with self.mutex:
+                del self.waiting[me]
+                if taken:
+                    engine.owner = me
+
+    def cycle(self, engine, me):
+        """[(engine, its owner)...] from `engine` round to one `me` holds, or None."""
+        path, seen = [], set()
+        while True:
+            owner = engine.owner
+            if owner is None or owner in seen:
+                return None
+            path.append((engine, owner))
+            if owner == me:
+                return path
+            seen.add(owner)
+            engine = self.waiting.get(owner)
+            if engine is None:
+                return None
+
+
+_WAITS = _Waits()
+
+
+def _deadlock_message(cycle):
+    """Name the models of a wait-for cycle and the threads holding them, and what to do."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    wanted, holder = cycle[0]
+    steps = [f"this thread would wait for {_describe(wanted)}, which thread "
+             f"{names.get(holder, holder)!r} is tracing"]
+    for engine, owner in cycle[1:-1]:
+        steps.append(f"while it waits for {_describe(engine)}, which thread "
+                     f"{names.get(owner, owner)!r} is tracing")
+    mine = cycle[-1][0]
+    steps.append(f"while it waits for {_describe(mine)}, which this thread is tracing "
+                 f"(the trace that would wait is nested in its body)")
+    return (
+        "deadlock: " + ", ".join(steps) + ". None of them could ever go on. Nest traces of "
+        "several models in the same order in every thread (always the same model outermost), "
+        "trace them one after the other instead of nested, or give each thread its own copy "
+        "of the module"
+    )
+
+
+def _describe(engine):
+    module = engine.module
+    return f"the {type(module).__name__} model (module at {id(module):#x})"

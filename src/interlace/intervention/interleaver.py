@@ -559,11 +559,33 @@ class Interleaver(hotpath.Exchange):
         if mediator is None or mediator.worker is not getcurrent():
             if type(what) is int:
                 what = self.state.key_name(what)
+            if self.enclosing() is not None:
+                raise InterlaceError(
+                    f"{what} was read in the body of a trace of another model, nested in the "
+                    f"body that traces this one: this model's run waits for the inner trace "
+                    f"to end, so nothing of it can be handed over there; read it in the outer "
+                    f"body, before or after the inner `with` block"
+                )
             raise InterlaceError(
                 f"{what} can only be read inside the body of the `with model.trace(...)` "
                 f"block that is running it (not from another thread or after the block)"
             )
         return mediator
+
+    def enclosing(self):
+        """The mediator whose body runs the calling code, directly or through traces of other
+        models nested in it (a nested run's bodies are greenlets whose parent is the greenlet
+        that runs that model: the outer body); None anywhere else (another thread too)."""
+        mediator = self.current
+        worker = None if mediator is None else mediator.worker
+        if worker is None:
+            return None
+        here = getcurrent()
+        while here is not None:
+            if here is worker:
+                return mediator
+            here = here.parent
+        return None
 
     def request(self, key, mediator=None):
         """Body side: wait for the location `key` at the occurrence the pointer names."""

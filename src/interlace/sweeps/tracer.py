@@ -84,17 +84,21 @@ class SweepTracer(IterMixin, Tracer):
         return value
 
     def _body(self, what):
+        """The running item's body: read in the sweep body, or in the body of a trace of
+        another model nested in it (which runs inside the item's body)."""
         interleaver = engine_of(self.model).active()
-        if interleaver is None or interleaver.current is None:
+        mediator = None if interleaver is None else interleaver.enclosing()
+        if mediator is None:
             raise InterlaceError(
                 f"{what} is only available inside the body of `with model.sweep(...) as "
                 f"sweep:` while it runs (after the block, read sweep.results)"
             )
-        fn = interleaver.mediator(what).fn
+        fn = mediator.fn
         if not isinstance(fn, ItemBody) or fn.job.tracer is not self:
             raise InterlaceError(
-                f"{what} was read in a body that is not this sweep's (a trace inside the "
-                f"sweep body?); read it in the sweep's own body"
+                f"{what} was read in the body of a trace that is not this sweep's; read it "
+                f"in the body of the `with model.sweep(...) as sweep:` block (or of a trace of "
+                f"another model nested in it)"
             )
         return fn
 
