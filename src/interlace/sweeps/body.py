@@ -158,6 +158,8 @@ def _pairs(target, value):
             for t, v in zip(target.elts, value.elts):
                 yield from _pairs(t, v)
         return
+    while isinstance(value, ast.NamedExpr):  # `a = (b := x.save())`
+        value = value.value
     if isinstance(target, ast.Name) and value is not None:
         yield target, value
 
