@@ -240,3 +240,23 @@ def test_a_plain_tuple_input_stays_one_argument(mlp_model):
             mlp_model.output.save()
     assert "tuple" in str(info.value)
     assert repr(interlace.Inputs(1, k=2)) == "Inputs(1, k=2)"
+
+
+def test_when_every_item_of_a_batch_stops_the_forward_pass_stops(gpt2, model):
+    prompts = _prompts()
+    ran = []
+    handle = gpt2.lm_head.register_forward_hook(lambda m, a, o: ran.append(o.shape[0]))
+    try:
+        with torch.no_grad(), model.sweep(range(6), input=lambda i: prompts[i:i + 1],
+                                          batch_size=3, progress=False) as sweep:
+            h = model.transformer.h[0].output.save()
+            if sweep.item >= 3:  # the second batch stops whole, the first runs on for 0-2
+                sweep.stop()
+            logits = model.lm_head.output.save()
+    finally:
+        handle.remove()
+    assert ran == [3]  # as a trace alone: a stopped item's forward does not reach lm_head
+    assert [x is None for x in logits] == [False] * 3 + [True] * 3
+    for i in range(6):
+        torch.testing.assert_close(h[i], _alone(model, prompts[i:i + 1], i >= 3)[1])
+    assert_clean(gpt2)

@@ -43,12 +43,18 @@ class ItemBody:
     def stop(self, interleaver):
         """End this item's run here, as `tracer.stop()` ends a trace of it alone: the body
         ends keeping what it saved, and its caches record nothing more; the batch's other
-        items go on."""
+        items go on. The last item of a batch to stop, when nothing else waits on the model
+        (no body, no cache), stops the forward pass itself, as a trace alone would."""
+        observers = interleaver.observers
         for key, fn in self.observers or ():
-            fns = interleaver.observers.get(key)
+            fns = observers.get(key)
             if fns is not None and fn in fns:
                 fns.remove(fn)
         self.observers = None
+        current = interleaver.current
+        if not any(observers.values()) and all(
+                m.finished for m in interleaver.mediators if m is not current):
+            interleaver.stop()  # raises StopSignal once the model was told to stop
         raise StopSignal()
 
     def __call__(self):
