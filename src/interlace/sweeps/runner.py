@@ -45,9 +45,9 @@ class Job:
     """What every batch of one sweep needs: the body, the caller's variables, the inputs rule.
 
     `input` is None (each item is the input), a callable (`input(item)`), or one value shared
-    by every item; a value that is an `Inputs` gives several arguments (`inputs.py`). `run` replaces the model's forward (a language model's keywords, or its
-    generation); `generate` marks a generation sweep, whose `eos` token ids trim each item's
-    generated ids.
+    by every item; a value that is an `Inputs` gives several arguments (`inputs.py`). `run`
+    replaces the model's forward (a language model's keywords, or its generation);
+    `generate` marks a generation sweep, whose `eos` token ids trim each item's generated ids.
     """
 
     def __init__(self, tracer, namespace, input=None, kwargs=None, run=None, backward=False,

@@ -94,7 +94,8 @@ class SweepTracer(IterMixin, Tracer):
     def stop(self):
         """End this item's forward pass here, as `tracer.stop()` would in a trace of the item
         alone: its body ends, keeping what it saved so far, and its `sweep.cache()` records
-        nothing more. The other items of its batch go on."""
+        nothing more. The other items of its batch go on (the last to stop stops the
+        forward pass, see `ItemBody.stop`)."""
         self._body("sweep.stop()").stop(self.engine.active())
 
     def cache(self, modules=None, device=_CPU, dtype=None, detach=True, include_output=True,
