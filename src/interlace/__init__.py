@@ -30,6 +30,7 @@ _LAZY = {
     "traceable": ("interlace.intervention.envoy", "traceable"),
     "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
     "TransformersModel": ("interlace.models.language_model", "TransformersModel"),
+    "Inputs": ("interlace.sweeps.inputs", "Inputs"),
 }
 
 __all__ = [

@@ -94,3 +94,49 @@ def test_language_model_loaded_from_a_folder_is_rebuilt_on_workers(cluster, lm, 
     for a, b in zip(out["local"], out["ray"]):
         assert a.shape == b.shape and torch.equal(a, b)
         assert not a.requires_grad and not b.requires_grad  # the caller's no_grad, on workers too
+
+
+class TwoArgs(torch.nn.Module):
+    """A forward of two positional arguments (defined here: it travels by value)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(6, 8)
+        self.gate = torch.nn.Linear(3, 8)
+
+    def forward(self, x, y, scale=1.0):
+        return self.proj(x) * torch.sigmoid(self.gate(y)) * scale
+
+
+def test_inputs_cache_and_stop_on_ray_equal_the_local_executor(cluster):
+    import interlace
+
+    model = interlace.Model(TwoArgs().eval())
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(2, 6, generator=gen), torch.randn(2, 3, generator=gen)
+    runs = {}
+    for executor in ("local", "ray"):
+        for shared in (interlace.Inputs(x, y, scale=2.0), lambda i: interlace.Inputs(x + i, y)):
+            with torch.no_grad(), model.sweep(range(4), input=shared, batch_size=2,
+                                              executor=executor, workers=2,
+                                              progress=False) as sweep:
+                cache = sweep.cache()
+                model.proj.output[:] *= sweep.item
+                if sweep.item == 2:
+                    sweep.stop()
+                out = sweep.output.save()
+            runs.setdefault(executor, []).append((cache, out))
+    for (local_cache, local_out), (remote_cache, remote_out) in zip(runs["local"], runs["ray"]):
+        assert remote_out[2] is None and local_out[2] is None
+        for a, b in zip(local_out, remote_out):
+            assert (a is None and b is None) or torch.equal(a, b)
+        for a, b in zip(local_cache, remote_cache):
+            assert list(a) == list(b)
+            for path in a:
+                assert torch.equal(a[path].output, b[path].output)
+    with torch.no_grad(), model.trace(x, y, scale=2.0) as tracer:  # item 2 alone
+        alone = tracer.cache()
+        model.proj.output[:] *= 2
+        tracer.stop()
+    assert list(runs["ray"][0][0][2]) == list(alone)

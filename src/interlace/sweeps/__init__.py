@@ -5,7 +5,8 @@ see `tracer.py` for the block, `runner.py` for batching and retries, `results.py
 kept, and `executors/` for where batches run (locally or on Ray).
 """
 
+from .inputs import Inputs
 from .results import SweepResults
 from .tracer import SweepTracer
 
-__all__ = ["SweepTracer", "SweepResults"]
+__all__ = ["SweepTracer", "SweepResults", "Inputs"]

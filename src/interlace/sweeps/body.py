@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from ..intervention.mediator import ENDED_EARLY
+from ..intervention.mediator import ENDED_EARLY, StopSignal
 from ..tracing.save import TraceState
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -30,7 +30,7 @@ class ItemBody:
     error the body raises is marked with the item (`item_of`).
     """
 
-    __slots__ = ("job", "index", "item", "saved", "iter_rows")
+    __slots__ = ("job", "index", "item", "saved", "iter_rows", "observers")
 
     def __init__(self, job, index, item):
         self.job = job
@@ -38,6 +38,24 @@ class ItemBody:
         self.item = item
         self.saved = None
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
+        self.observers = None  # [(key, fn)] its `sweep.cache()` recorders, once it made one
+
+    def stop(self, interleaver):
+        """End this item's run here, as `tracer.stop()` ends a trace of it alone: the body
+        ends keeping what it saved, and its caches record nothing more; the batch's other
+        items go on. The last item of a batch to stop, when nothing else waits on the model
+        (no body, no cache), stops the forward pass itself, as a trace alone would."""
+        observers = interleaver.observers
+        for key, fn in self.observers or ():
+            fns = observers.get(key)
+            if fns is not None and fn in fns:
+                fns.remove(fn)
+        self.observers = None
+        current = interleaver.current
+        if not any(observers.values()) and all(
+                m.finished for m in interleaver.mediators if m is not current):
+            interleaver.stop()  # raises StopSignal once the model was told to stop
+        raise StopSignal()
 
     def __call__(self):
         body = self.job.tracer.defer(self.job.namespace, state=TraceState(None))
@@ -94,6 +112,62 @@ def caller_namespace(tracer):
     a copy of the caller's locals), so one item's assignments never reach another item.
     """
     return tracer.defer().namespace
+
+
+def saved_names(block):
+    """The names the body saves, as its source shows them, in source order: a name assigned
+    a `.save()` / `save(...)` call, or one whose `.save()` the body calls (`x.save()`,
+    `interlace.save(x)`). What a sweep binds even when no item saved them (zero items)."""
+    import ast  # (the block's capture parsed its source already)
+
+    found = {}
+
+    def mark(node):
+        if isinstance(node, ast.Name) and node.id in block.assigned_names:
+            found.setdefault(node.id, (node.lineno, node.col_offset))
+
+    for node in ast.walk(ast.Module(body=list(block.statements or ()), type_ignores=[])):
+        if isinstance(node, ast.Call):
+            saved = _saved_by(node)
+            if saved is not None:
+                mark(saved)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name, value in _pairs(target, node.value):
+                    if _saved_by(value) is not None:
+                        mark(name)
+    return sorted(found, key=found.__getitem__)
+
+
+def _saved_by(node):
+    """For a save call (`x.save()`, `save(x)`, `interlace.save(x)`), the node saved; else None."""
+    import ast
+
+    if not isinstance(node, ast.Call) or node.keywords:
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr == "save" and not node.args:
+        return func.value
+    if (isinstance(func, ast.Name) and func.id == "save"
+            or isinstance(func, ast.Attribute) and func.attr == "save") and len(node.args) == 1:
+        return node.args[0]
+    return None
+
+
+def _pairs(target, value):
+    """(name node, value node) of an assignment, element-wise for `a, b = x, y`."""
+    import ast
+
+    if isinstance(target, (ast.Tuple, ast.List)):
+        if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+            for t, v in zip(target.elts, value.elts):
+                yield from _pairs(t, v)
+        return
+    while isinstance(value, ast.NamedExpr):  # `a = (b := x.save())`
+        value = value.value
+    if isinstance(target, ast.Name) and value is not None:
+        yield target, value
 
 
 class own_state:

@@ -2,7 +2,8 @@
 
 `SweepResults` is a read-only mapping name -> list (the same lists the sweep binds in the
 caller); an item that did not save a name has `None` in its slot. `to_pandas()` gives one row
-per item with the item's fields as columns, which is what people plot.
+per item with the item's fields as columns, which is what people plot (a saved name that is
+also an item field gets the suffix `_saved`).
 
 `compact` is why a saved value never pins its batch: a tensor the body saved that is a view
 into a larger storage (an item's rows of a batched activation, `logits[:, -1]`) is copied to
@@ -30,6 +31,12 @@ class SweepResults(Mapping):
     def __init__(self):
         self._columns = {}
         self.finished = []
+
+    def declare(self, names):
+        """Columns for `names` from the start (the names the body saves, known from its source):
+        bound after the sweep even when no item saved them, `[]` after zero items."""
+        for name in names:
+            self._columns.setdefault(name, [None] * len(self.finished))
 
     def add(self, item, values):
         """Record one finished item's saved values (items arrive in order)."""
@@ -65,7 +72,8 @@ class SweepResults(Mapping):
         """A pandas DataFrame: one row per finished item, item fields then saved names as columns.
 
         Item fields: a dict's keys, a namedtuple's or dataclass's fields, `item_names` for a
-        plain tuple (default `item_0`, `item_1`, ...), else one `item` column. One-element
+        plain tuple (default `item_0`, `item_1`, ...), else one `item` column. A saved name
+        equal to an item field is the column `<name>_saved` (both are kept). One-element
         tensors become Python numbers; other values are kept as they are.
         """
         try:
@@ -78,11 +86,28 @@ class SweepResults(Mapping):
         rows = []
         for position, item in enumerate(self.finished):
             row = _fields(item, item_names)
+            fields = tuple(row)
             for name, column in self._columns.items():
-                row[name] = _cell(column[position])
+                row[_column_name(name, fields, self._columns)] = _cell(column[position])
             rows.append(row)
         columns = list(rows[0]) if rows else list(self._columns)
         return pandas.DataFrame(rows, columns=columns)
+
+
+SAVED_SUFFIX = "_saved"
+
+
+def _column_name(name, fields, saved):
+    """A saved name's column: `name`, or `name + SAVED_SUFFIX` when an item field has that name."""
+    if name not in fields:
+        return name
+    column = name + SAVED_SUFFIX
+    if column in fields or column in saved:
+        raise InterlaceError(
+            f"to_pandas(): the saved name {name!r} is also an item field, and {column!r}, "
+            f"where it would go instead, is taken too; rename the variable in the sweep body"
+        )
+    return column
 
 
 def _fields(item, names):

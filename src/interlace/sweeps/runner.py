@@ -37,6 +37,7 @@ from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
 from ..intervention.envoy import engine_of, module_of
 from .body import ItemBody, item_of, name_item
+from .inputs import split
 from .results import compact
 
 _CPU_TOKENS = 2048  # tokens per batch on a CPU: per row, 1-2k-token batches were fastest
@@ -49,9 +50,9 @@ class Job:
     """What every batch of one sweep needs: the body, the caller's variables, the inputs rule.
 
     `input` is None (each item is the input), a callable (`input(item)`), or one value shared
-    by every item. `run` replaces the model's forward (a language model's keywords, or its
-    generation); `generate` marks a generation sweep, whose `eos` token ids trim each item's
-    generated ids.
+    by every item; a value that is an `Inputs` gives several arguments (`inputs.py`). `run`
+    replaces the model's forward (a language model's keywords, or its generation);
+    `generate` marks a generation sweep, whose `eos` token ids trim each item's generated ids.
     """
 
     def __init__(self, tracer, namespace, input=None, kwargs=None, run=None, backward=False,
@@ -75,7 +76,7 @@ class Job:
                 value = source(item)
             else:
                 value = source
-            args, kwargs = (value,), self.kwargs
+            args, kwargs = split(value, self.kwargs)
             cached = None if keys is None else keys.get(id(value))
             if cached is not None and cached[0] is value:  # a shared input: one key
                 key = cached[1]

@@ -13,14 +13,17 @@ The rule every path is tested against: an item behaves as if it ran alone in its
 from __future__ import annotations
 
 from ..errors import InterlaceError
+from ..intervention.cache import make_cache
 from ..intervention.envoy import engine_of
 from ..intervention.grads import block_uses_backward
 from ..intervention.iteration import IterMixin
 from ..tracing import Backend, Tracer
 from . import executors
-from .body import ItemBody, caller_namespace, own_state
+from .body import ItemBody, caller_namespace, own_state, saved_names
 from .results import SweepResults
 from .runner import Job, check_batch_size, trim_generated
+
+_CPU = "cpu"  # sweep.cache's default device, as tracer.cache's
 
 
 class SweepTracer(IterMixin, Tracer):
@@ -83,6 +86,53 @@ class SweepTracer(IterMixin, Tracer):
             value = trim_generated(value, mask, job.eos)
         return value
 
+    @property
+    def engine(self):
+        """The model's engine (what runs the batches)."""
+        return engine_of(self.model)
+
+    def stop(self):
+        """End this item's forward pass here, as `tracer.stop()` would in a trace of the item
+        alone: its body ends, keeping what it saved so far, and its `sweep.cache()` records
+        nothing more. The other items of its batch go on (the last to stop stops the
+        forward pass, see `ItemBody.stop`)."""
+        self._body("sweep.stop()").stop(self.engine.active())
+
+    def cache(self, modules=None, device=_CPU, dtype=None, detach=True, include_output=True,
+              include_inputs=False, non_blocking=False):
+        """This item's `tracer.cache(...)`: its own rows of every module's output (or of
+        `modules=`), as a trace of the item alone records them; saved, so after the block
+        the name is a list of caches, one per item. Call it before the body reads anything.
+        See docs/cache.md."""
+        body = self._body("sweep.cache()")
+        interleaver = self.engine.active()
+        before = {key: list(fns) for key, fns in interleaver.observers.items()}
+        cache = make_cache(self, modules, device, dtype, detach, include_output,
+                           include_inputs, non_blocking)
+        added = [(key, fn) for key, fns in interleaver.observers.items()
+                 for fn in fns if fn not in before.get(key, ())]
+        body.observers = (body.observers or []) + added  # what sweep.stop() ends
+        return cache
+
+    def barrier(self, n):
+        """Not for sweeps: items are independent runs (see the error)."""
+        raise InterlaceError(
+            "sweep.barrier(): sweep items run independently, as if each had its own trace "
+            "(a batch is not fixed: it depends on the batch size, lengths, retries), so they "
+            "cannot meet. To make bodies meet, use one trace with invokes: "
+            "`with model.trace() as tracer:`, `barrier = tracer.barrier(n)`, one "
+            "`with tracer.invoke(x):` per input; to reuse values from other items, run one "
+            "sweep first and read its saved lists in a second"
+        )
+
+    def invoke(self, *args, **kwargs):
+        """Not for sweeps: each item's inputs come from `input=` (see the error)."""
+        raise InterlaceError(
+            "sweep.invoke(...): a sweep's items are its invokes; give each item's inputs "
+            "with model.sweep(items, input=lambda item: ...) (several arguments: "
+            "interlace.Inputs(*args, **kwargs))"
+        )
+
     def _body(self, what):
         """The running item's body: read in the sweep body, or in the body of a trace of
         another model nested in it (which runs inside the item's body)."""
@@ -130,6 +180,7 @@ class _SweepBackend(Backend):
         )
         job.eos = tracer._eos
         tracer._job = job
+        tracer.results.declare(saved_names(tracer.block))  # bound with zero items too
         with own_state(tracer) as state:
             try:
                 tracer.executor.run(tracer, job)

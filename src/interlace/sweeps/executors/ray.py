@@ -445,6 +445,7 @@ class _Worker:
             io.BytesIO(payload), self.model).load()
         set_edits(self.model, edits)
         tracer.model = self.model
+        tracer._run = settings["run"]  # (sweep.cache() reads it: per-step lists when generating)
         self.job = Job(tracer, namespace, **settings)
         self.shared = settings["input"]
         self.modes = modes
@@ -457,9 +458,11 @@ class _Worker:
         set_edits(self.model, ())
 
     def _entries(self, entries):
+        from ..inputs import split
+
         for entry in entries:
             if entry.args is None:
-                entry.args = (self.shared,)
+                entry.args = split(self.shared, {})[0]  # (its keywords came with the entry)
         return entries
 
     def choose(self, sample, total):
