@@ -30,7 +30,8 @@ Policy, where the rewritten code runs:
   attn's pre-hook, where a new `attn.forward` would come too late, while the function torch
   already holds runs whatever code it has when called. Decorators (transformers'
   `deprecate_kwarg`, the checkpointing wrapper) are peeled: the innermost function is rewritten
-  and its wrappers keep calling it. The hook finds the traced module by the forward's first
+  and its wrappers keep calling it; a wrapper that calls several functions it closes over
+  (`@dynamic_rope_update`) is rewritten itself, as nnsight does (see `_peel`). The hook finds the traced module by the forward's first
   argument, so other instances of the class, and other threads, run straight through. After
   the run the original code object is back: raw speed, and coverage/pdb see what they saw
   before. A forward assigned on the instance as a plain function is replaced on the instance
@@ -232,8 +233,12 @@ def _rename(code, old, new):
 
 
 def _class_of(function):
-    """The name of the class whose body defined `function` (its name mangling), or None."""
-    parts = function.__qualname__.split(".")
+    """The name of the class whose body defined `function` (its name mangling), or None.
+
+    From the code's own qualified name where there is one: `functools.wraps` gives a
+    decorator's wrapper the qualified name of the method it wraps, not where it is defined.
+    """
+    parts = getattr(function.__code__, "co_qualname", function.__qualname__).split(".")
     if len(parts) >= 2 and parts[-2] != "<locals>":
         return parts[-2]
     return None
@@ -422,11 +427,14 @@ def _peel(function):
     """(innermost, chain): follow decorator wrappers down to the function they wrap.
 
     A wrapper is peeled when it says what it wraps (`__wrapped__`, set by `functools.wraps`),
-    holds that function in a closure cell and calls it by that name. `chain` lists
+    holds that function in a closure cell and calls it by that name, and calls no other
+    Python function it closes over: with several (transformers' `dynamic_rope_update`
+    wrapper calls `rope_forward` and two frequency updates) the wrapper is what runs, so it
+    is rewritten and the forward is reached through its call (`rope_forward_0.source`), as
+    nnsight 0.8.1 does, which keeps the names ported code uses. `chain` lists
     `(wrapper, cell index)` from the outside in. A forward that merely closes over a helper it
     calls is not a wrapper (no `__wrapped__`), and a wrapper that hands its function to
-    something else instead of calling it (a dispatcher) is not peeled: it is the code that
-    runs, so it is the one rewritten.
+    something else instead of calling it (a dispatcher) is not peeled either.
     """
     chain = []
     seen = {function}
@@ -435,17 +443,17 @@ def _peel(function):
         if not isinstance(wrapped, types.FunctionType) or wrapped in seen:
             break
         called = _called_names(function)
-        index = None
+        candidates = []  # cells of Python functions the wrapper calls by name
         for i, (name, cell) in enumerate(zip(function.__code__.co_freevars, function.__closure__)):
             try:
                 inner = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if inner is wrapped and name in called:
-                index = i
-                break
-        if index is None:
+            if name in called and isinstance(inner, types.FunctionType):
+                candidates.append((i, inner))
+        if len(candidates) != 1 or candidates[0][1] is not wrapped:
             break
+        index = candidates[0][0]
         chain.append((function, index))
         function = wrapped
         seen.add(function)
