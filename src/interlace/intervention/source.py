@@ -35,7 +35,8 @@ Policy, where the rewritten code runs:
   argument, so other instances of the class, and other threads, run straight through. After
   the run the original code object is back: raw speed, and coverage/pdb see what they saw
   before. A forward assigned on the instance as a plain function is replaced on the instance
-  for the run instead.
+  for the run instead, and so is an object standing in for the class's forward that says so
+  with `__wrapped__` (nnsight's controller): its body may be a copy an in-place swap misses.
 - A nested `.source` (inside the function an operation calls) is known only when the call
   runs: the body waits for the operation's input, then the operation calls a rewritten *copy*
   of the callee (same globals, closure and defaults; decorators rebuilt around it) for the
@@ -595,14 +596,28 @@ class _Run:
 
 def _forward_of(module, what):
     """(function that runs as `module`'s forward, the receiver it gets, or None for none)."""
+    function, receiver, _ = _forward_info(module, what)
+    return function, receiver
+
+
+def _forward_info(module, what):
+    """`_forward_of`, and whether the instance forward is an object standing in for the
+    class's forward (so the rewritten one replaces it on the instance for the run)."""
     forward = hooks.forward_of(module)  # (inside the run's Tap, if it has one)
     if forward is not None and "_hf_hook" in module.__dict__:
         # accelerate's alignment wrapper: the real forward is kept as `_old_forward`
         forward = module.__dict__.get("_old_forward", forward)
+    stand_in = False
     if forward is None:
         function, receiver = type(module).forward, module
     elif isinstance(forward, types.MethodType):
         function, receiver = forward.__func__, forward.__self__
+    elif isinstance(forward, types.FunctionType):
+        function, receiver = forward, None
+    elif getattr(forward, "__wrapped__", None) is type(module).forward:
+        # a callable object that calls the class's forward with the module and says so with
+        # `functools.update_wrapper` (nnsight's controller, installed by `nnsight.NNsight`)
+        function, receiver, stand_in = type(module).forward, module, True
     else:
         function, receiver = forward, None
     # a copy this module runs for a trace in progress stands for the function it copies
@@ -610,9 +625,10 @@ def _forward_of(module, what):
     if not isinstance(function, types.FunctionType):
         raise SourceNotAvailable(
             f"{what}: .source needs a forward written in Python, and this forward is "
-            f"{type(function).__name__} {function!r} (a builtin, C or compiled function)"
+            f"{type(function).__name__} {function!r} (a builtin, C or compiled function, or "
+            f"an object that does not say which forward it calls with `__wrapped__`)"
         )
-    return function, receiver
+    return function, receiver, stand_in
 
 
 def module_source(envoy):
@@ -653,7 +669,7 @@ def _module_run(il, envoy, compiled):
     mediator = il.mediator(prefix)
     module = envoy._module
     what = f"{envoy._path} ({type(module).__name__})"
-    function, receiver = _forward_of(module, what)
+    function, receiver, stand_in = _forward_info(module, what)
     inner, chain = _peel(function)
     if compiled_for(inner, what) is not compiled:
         raise InterlaceError(
@@ -676,7 +692,7 @@ def _module_run(il, envoy, compiled):
         before -= 1  # served inside its pre-hook: this call's forward has not started yet
     _align(hub, base, len(names), before)
 
-    if receiver is not None:
+    if receiver is not None and not stand_in:
         hook, code = compiled.shared()
         _swap_in(inner, code)
         hook.runs[id(receiver)] = run
@@ -686,15 +702,19 @@ def _module_run(il, envoy, compiled):
                 del hook.runs[id(receiver)]
             _swap_out(inner)
             run.close()
-    else:  # a plain function set on the instance: replace it there for the run
+    else:
+        # A plain function set on the instance, or an object standing in for the forward
+        # (whose own body may be another library's rewritten copy, which an in-place swap
+        # would not reach): replace it on the instance for the run, and put it back after.
         hook = _RunHook(run)
         copy = _rebuild(chain, compiled.function(inner, hook))
         setattr(copy, _COPY_OF, function)
+        installed = copy if receiver is None else types.MethodType(copy, receiver)
         previous = hooks.forward_of(module)
-        hooks.set_forward(module, copy)
+        hooks.set_forward(module, installed)
 
         def undo():
-            if hooks.forward_of(module) is copy:
+            if hooks.forward_of(module) is installed:
                 hooks.set_forward(module, previous)
             hook.run = None
             run.close()
