@@ -158,6 +158,48 @@ def test_modules_by_envoy_path_short_path_and_module(arch):
     assert list(blocks) == [layers[0]._path, layers[1]._path]
 
 
+def test_a_container_stands_for_its_children_however_it_is_named(arch):
+    """`modules=` naming a ModuleList (an Envoy or a path, alone or in a list) records its
+    layers, as plain hooks on each layer capture them; a container of containers, its leaves."""
+    module, model = arch
+    if hasattr(module, "transformer"):
+        layers, path = model.transformer.h, "transformer.h"
+    else:
+        layers, path = model.model.layers, "model.layers"
+    want, _, _ = plain_capture(module, IDS)
+    expected = [layers[0]._path, layers[1]._path]
+    for modules in ([layers], [path], ["model." + path], path, layers, [layers, path]):
+        with torch.no_grad(), model.trace(IDS) as tracer:
+            cache = tracer.cache(modules=modules)
+        assert list(cache) == expected, modules
+        for key in expected:
+            assert same(cache[key].output, want[key][0]), (modules, key)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleDict({
+                "a": torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Tanh()]),
+                "b": torch.nn.ModuleList([torch.nn.Linear(4, 4)]),
+            })
+
+        def forward(self, x):
+            for group in self.blocks.values():
+                for layer in group:
+                    x = layer(x)
+            return x
+
+    net = Net()
+    x = torch.randn(2, 4)
+    want, _, _ = plain_capture(net, x)
+    nested = interlace.Model(net)
+    with torch.no_grad(), nested.trace(x) as tracer:
+        cache = tracer.cache(modules=["blocks"])
+    assert list(cache) == ["model.blocks.a.0", "model.blocks.a.1", "model.blocks.b.0"]
+    for key in cache:
+        assert same(cache[key].output, want[key][0]), key
+
+
 def test_navigation_forms(gpt2, gpt2_model):
     with torch.no_grad(), gpt2_model.trace(IDS) as tracer:
         cache = tracer.cache()

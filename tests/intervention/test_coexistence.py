@@ -223,6 +223,69 @@ def test_interlace_and_nnsight_each_save_in_their_own_traces(order):
     assert run_fresh(NNSIGHT_SIDE_BY_SIDE.format(imports=NNSIGHT_ORDERS[order])) == "ok"
 
 
+NNSIGHT_SAME_MODULE_SOURCE = """
+import torch, nnsight, interlace
+from transformers import GPT2Config, GPT2LMHeadModel
+
+torch.manual_seed(0)
+gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
+                                  bos_token_id=0, eos_token_id=0)).eval()
+ids = torch.randint(0, 1000, (1, 6))
+act = gpt2.transformer.h[0].mlp.act
+seen = []
+handle = act.register_forward_hook(lambda m, a, out: seen.append(out.clone()))
+with torch.no_grad():
+    clean = gpt2(ids).logits
+handle.remove()
+handle = act.register_forward_hook(lambda m, a, out: out * 0)
+with torch.no_grad():
+    zeroed = gpt2(ids).logits
+handle.remove()
+
+{wrap}
+controller = gpt2.transformer.h[0].mlp.__dict__["forward"]  # nnsight's, on the instance
+
+def ours_():
+    with torch.no_grad(), ours.trace(ids) as tracer:
+        src = ours.transformer.h[0].mlp.source
+        a = src.self_act_0.output.clone().save()
+        src.self_act_0.output = src.self_act_0.output * 0
+        out = tracer.result.logits.save()
+    assert torch.equal(a, seen[0]) and torch.equal(out, zeroed)
+    assert gpt2.transformer.h[0].mlp.__dict__["forward"] is controller  # put back
+
+def theirs_():
+    with torch.no_grad(), theirs.trace(ids):
+        src = theirs.transformer.h[0].mlp.source
+        a = src.self_act_0.output.clone().save()
+        src.self_act_0.output = src.self_act_0.output * 0
+        out = theirs.output.logits.save()
+    assert torch.equal(a, seen[0]) and torch.equal(out, zeroed)
+
+ours_()
+theirs_()   # nnsight's controller now runs its own rewritten forward
+ours_()
+theirs_()
+with torch.no_grad():
+    assert torch.equal(gpt2(ids).logits, clean)
+print("ok")
+"""
+
+NNSIGHT_WRAPS = {
+    "nnsight wraps first": "theirs = nnsight.NNsight(gpt2)\nours = interlace.Model(gpt2)",
+    "interlace wraps first": "ours = interlace.Model(gpt2)\ntheirs = nnsight.NNsight(gpt2)",
+}
+
+
+@needs_nnsight
+@pytest.mark.parametrize("wrap", list(NNSIGHT_WRAPS))
+def test_source_of_a_module_nnsight_also_wraps(wrap):
+    """nnsight puts its controller (a callable object) on each module's instance `forward`:
+    `.source` rewrites the class's forward it calls (its `__wrapped__`) and runs that in the
+    controller's place for the run; both libraries' reads and edits equal plain hooks'."""
+    assert run_fresh(NNSIGHT_SAME_MODULE_SOURCE.format(wrap=NNSIGHT_WRAPS[wrap])) == "ok"
+
+
 # -- imports after interlace, and after a trace ------------------------------------------------------
 IMPORTS_THEN_TRACE = """
 import interlace

@@ -6,6 +6,7 @@ also checks that the edit changed the result, so a lost edit cannot pass.
 """
 
 import bdb
+import functools
 import importlib.util
 import json
 import subprocess
@@ -100,7 +101,7 @@ _NNSIGHT_REPRS = textwrap.dedent(
     l = NNsight(transformers.LlamaForCausalLM(transformers.LlamaConfig(**%(llama)s)).eval())
     for key, envoy in [("gpt2.attn", g.transformer.h[0].attn), ("gpt2.mlp", g.transformer.h[0].mlp),
                        ("llama.attn", l.model.layers[0].self_attn), ("llama.mlp", l.model.layers[0].mlp),
-                       ("llama.layer", l.model.layers[0])]:
+                       ("llama.layer", l.model.layers[0]), ("llama.rotary", l.model.rotary_emb)]:
         source = envoy.source
         out[key] = [repr(source), list(source.names),
                     {name: repr(getattr(source, name)) for name in source.names}]
@@ -125,7 +126,7 @@ def test_names_and_printouts_match_nnsight(gpt2e, llamae):
     g, l = gpt2e[1], llamae[1]
     ours = {"gpt2.attn": g.transformer.h[0].attn, "gpt2.mlp": g.transformer.h[0].mlp,
             "llama.attn": l.model.layers[0].self_attn, "llama.mlp": l.model.layers[0].mlp,
-            "llama.layer": l.model.layers[0]}
+            "llama.layer": l.model.layers[0], "llama.rotary": l.model.rotary_emb}
     for key, envoy in ours.items():
         source = envoy.source
         listing, names, windows = theirs[key]
@@ -320,6 +321,34 @@ def test_llama_rotary_output_edit_equals_patched_function(llamae, tokens, monkey
     torch.testing.assert_close(seen, calls[0], rtol=0, atol=0)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     assert not torch.allclose(logits, clean)
+
+
+def test_llama_rotary_wrapper_is_the_source_and_the_forward_is_reached_through_its_call(
+        llamae, tokens):
+    """`@dynamic_rope_update` calls three functions it closes over: its wrapper is what runs,
+    so `.source` shows the wrapper (nnsight's names) and the forward is `rope_forward_0.source`.
+    Reference: a plain forward hook on `rotary_emb` reading and editing its returned cos."""
+    module, model = llamae
+    src = model.model.rotary_emb.source
+    assert src.names[-1] == "rope_forward_0" and "dynamic_frequency_update_0" in src.names
+    seen = []
+
+    def double_cos(mod, args, out):
+        seen.append(out[0].clone())
+        return out[0] * 2, out[1]
+
+    with hooked(module, output={module.model.rotary_emb: double_cos}):
+        expected = _plain(module, tokens)
+    with torch.no_grad(), model.trace(tokens) as tracer:
+        inner = model.model.rotary_emb.source.rope_forward_0.source
+        cos = inner.cos_0.output
+        read = cos.clone().save()
+        inner.cos_0.output = cos * 2
+        logits = tracer.result.logits.save()
+    torch.testing.assert_close(read, seen[0], rtol=0, atol=0)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert not torch.allclose(logits, _plain(module, tokens))
+    _all_forwards_original(module)
 
 
 def test_llama_nested_eager_softmax_matches_attention_weights(llamae, tokens):
@@ -749,6 +778,40 @@ def test_decorated_forward_is_peeled_and_its_wrapper_still_runs():
     assert model.source.names == ("torch_sigmoid_0",)
     assert calls == [1]
     assert torch.equal(result, torch.zeros(3))
+
+
+__tally = []  # a module global with a private-looking name: mangled only inside a class
+
+
+def _noted(fn):
+    def note():
+        return len(__tally)
+
+    @functools.wraps(fn)
+    def wrapper(self, x):
+        __tally.append(note())
+        return fn(self, x)
+
+    return wrapper
+
+
+def test_a_wrapper_calling_two_functions_it_closes_over_is_rewritten_as_it_is():
+    """Not peeled (it calls `note` and `fn`): the wrapper is rewritten where it was defined,
+    not inside the class whose method it wraps (`functools.wraps` gives it that qualname), so
+    `__tally` stays the module global."""
+
+    class Net(torch.nn.Module):
+        @_noted
+        def forward(self, x):
+            return torch.sigmoid(x)
+
+    model = interlace.Model(Net())
+    assert model.source.names == ("note_0", "__tally_append_0", "fn_0")
+    x = torch.randn(3)
+    with model.trace(x) as tracer:
+        model.source.fn_0.source.torch_sigmoid_0.output = torch.zeros(3)
+        result = tracer.result.save()
+    assert torch.equal(result, torch.zeros(3)) and __tally[-1] == len(__tally) - 1
 
 
 def test_a_forward_closing_over_a_helper_is_not_taken_for_a_decorator():

@@ -443,41 +443,61 @@ def make_cache(tracer, modules=None, device=torch.device("cpu"), dtype=None, det
 
 
 def _module_indexes(state, modules):
-    """Module indexes of `modules` (None: all; else Envoys, modules or path strings)."""
+    """Module indexes of `modules` (None: all; else Envoys, modules or path strings, or one).
+
+    A container that never runs itself (a `ModuleList`, a `ModuleDict`) stands for its
+    children, however it is named (`model.transformer.h`, `"transformer.h"`, in a list or
+    alone): its own hooks never fire, so recording it would record nothing.
+    """
     if modules is None:
         return range(len(state.modules))
-    if isinstance(modules, str):
+    if isinstance(modules, (str, torch.nn.Module, Envoy)):
         modules = [modules]
-    elif isinstance(modules, (torch.nn.Module, Envoy)):
-        # one module: itself, unless it is a container that never runs (ModuleList/Dict):
-        # then its children (`modules=model.transformer.h` means the layers)
-        module = module_of(modules) if isinstance(modules, Envoy) else modules
-        if type(module).forward is torch.nn.Module.forward and len(module._modules):
-            modules = list(module.children())
-        else:
-            modules = [module]
     by_path = {path: i for i, path in enumerate(state.paths)}
     out = []
     for item in modules:
-        if isinstance(item, str):
-            index = by_path.get(item)
-            if index is None:
-                index = by_path.get("model." + item)
-            if index is None:
-                close = [p for p in state.paths if p.endswith("." + item.split(".")[-1])][:5]
-                raise CacheError(
-                    f"tracer.cache(modules=...): {item!r} is not a module path of this model; "
-                    f"paths look like 'model.transformer.h.0'"
-                    + (f" (did you mean {', '.join(close)}?)" if close else "")
-                )
-        else:
-            module = module_of(item) if isinstance(item, Envoy) else item
-            index = state.index.get(id(module)) if isinstance(module, torch.nn.Module) else None
-            if index is None:
-                raise CacheError(
-                    f"tracer.cache(modules=...) takes Envoys (model.transformer.h[0]) or module "
-                    f"paths ('model.transformer.h.0'); got {type(item).__name__}, which is not "
-                    f"a module of this model"
-                )
-        out.append(index)
+        out.extend(_expand(state, _index_of(state, by_path, item)))
     return sorted(set(out))
+
+
+def _index_of(state, by_path, item):
+    """The module index `item` (an Envoy, a module or a path) names; CacheError if none."""
+    if isinstance(item, str):
+        index = by_path.get(item)
+        if index is None:
+            index = by_path.get("model." + item)
+        if index is None:
+            close = [p for p in state.paths if p.endswith("." + item.split(".")[-1])][:5]
+            raise CacheError(
+                f"tracer.cache(modules=...): {item!r} is not a module path of this model; "
+                f"paths look like 'model.transformer.h.0'"
+                + (f" (did you mean {', '.join(close)}?)" if close else "")
+            )
+        return index
+    module = module_of(item) if isinstance(item, Envoy) else item
+    index = state.index.get(id(module)) if isinstance(module, torch.nn.Module) else None
+    if index is None:
+        raise CacheError(
+            f"tracer.cache(modules=...) takes Envoys (model.transformer.h[0]) or module "
+            f"paths ('model.transformer.h.0'); got {type(item).__name__}, which is not "
+            f"a module of this model"
+        )
+    return index
+
+
+def _expand(state, index):
+    """`index`, or the modules a container that never runs stands for (its children, down)."""
+    module = state.modules[index]
+    if not (_never_runs(module) and module._modules):
+        return [index]
+    out = []
+    for child in module.children():
+        child_index = state.index.get(id(child))
+        if child_index is not None:
+            out.extend(_expand(state, child_index))
+    return out
+
+
+def _never_runs(module):
+    """A container whose forward is `nn.Module`'s own (calling it raises): it is never called."""
+    return type(module).forward is torch.nn.Module.forward

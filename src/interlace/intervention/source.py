@@ -30,11 +30,13 @@ Policy, where the rewritten code runs:
   attn's pre-hook, where a new `attn.forward` would come too late, while the function torch
   already holds runs whatever code it has when called. Decorators (transformers'
   `deprecate_kwarg`, the checkpointing wrapper) are peeled: the innermost function is rewritten
-  and its wrappers keep calling it. The hook finds the traced module by the forward's first
+  and its wrappers keep calling it; a wrapper that calls several functions it closes over
+  (`@dynamic_rope_update`) is rewritten itself, as nnsight does (see `_peel`). The hook finds the traced module by the forward's first
   argument, so other instances of the class, and other threads, run straight through. After
   the run the original code object is back: raw speed, and coverage/pdb see what they saw
   before. A forward assigned on the instance as a plain function is replaced on the instance
-  for the run instead.
+  for the run instead, and so is an object standing in for the class's forward that says so
+  with `__wrapped__` (nnsight's controller): its body may be a copy an in-place swap misses.
 - A nested `.source` (inside the function an operation calls) is known only when the call
   runs: the body waits for the operation's input, then the operation calls a rewritten *copy*
   of the callee (same globals, closure and defaults; decorators rebuilt around it) for the
@@ -232,8 +234,12 @@ def _rename(code, old, new):
 
 
 def _class_of(function):
-    """The name of the class whose body defined `function` (its name mangling), or None."""
-    parts = function.__qualname__.split(".")
+    """The name of the class whose body defined `function` (its name mangling), or None.
+
+    From the code's own qualified name where there is one: `functools.wraps` gives a
+    decorator's wrapper the qualified name of the method it wraps, not where it is defined.
+    """
+    parts = getattr(function.__code__, "co_qualname", function.__qualname__).split(".")
     if len(parts) >= 2 and parts[-2] != "<locals>":
         return parts[-2]
     return None
@@ -422,11 +428,14 @@ def _peel(function):
     """(innermost, chain): follow decorator wrappers down to the function they wrap.
 
     A wrapper is peeled when it says what it wraps (`__wrapped__`, set by `functools.wraps`),
-    holds that function in a closure cell and calls it by that name. `chain` lists
+    holds that function in a closure cell and calls it by that name, and calls no other
+    Python function it closes over: with several (transformers' `dynamic_rope_update`
+    wrapper calls `rope_forward` and two frequency updates) the wrapper is what runs, so it
+    is rewritten and the forward is reached through its call (`rope_forward_0.source`), as
+    nnsight 0.8.1 does, which keeps the names ported code uses. `chain` lists
     `(wrapper, cell index)` from the outside in. A forward that merely closes over a helper it
     calls is not a wrapper (no `__wrapped__`), and a wrapper that hands its function to
-    something else instead of calling it (a dispatcher) is not peeled: it is the code that
-    runs, so it is the one rewritten.
+    something else instead of calling it (a dispatcher) is not peeled either.
     """
     chain = []
     seen = {function}
@@ -435,17 +444,17 @@ def _peel(function):
         if not isinstance(wrapped, types.FunctionType) or wrapped in seen:
             break
         called = _called_names(function)
-        index = None
+        candidates = []  # cells of Python functions the wrapper calls by name
         for i, (name, cell) in enumerate(zip(function.__code__.co_freevars, function.__closure__)):
             try:
                 inner = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if inner is wrapped and name in called:
-                index = i
-                break
-        if index is None:
+            if name in called and isinstance(inner, types.FunctionType):
+                candidates.append((i, inner))
+        if len(candidates) != 1 or candidates[0][1] is not wrapped:
             break
+        index = candidates[0][0]
         chain.append((function, index))
         function = wrapped
         seen.add(function)
@@ -587,14 +596,28 @@ class _Run:
 
 def _forward_of(module, what):
     """(function that runs as `module`'s forward, the receiver it gets, or None for none)."""
+    function, receiver, _ = _forward_info(module, what)
+    return function, receiver
+
+
+def _forward_info(module, what):
+    """`_forward_of`, and whether the instance forward is an object standing in for the
+    class's forward (so the rewritten one replaces it on the instance for the run)."""
     forward = hooks.forward_of(module)  # (inside the run's Tap, if it has one)
     if forward is not None and "_hf_hook" in module.__dict__:
         # accelerate's alignment wrapper: the real forward is kept as `_old_forward`
         forward = module.__dict__.get("_old_forward", forward)
+    stand_in = False
     if forward is None:
         function, receiver = type(module).forward, module
     elif isinstance(forward, types.MethodType):
         function, receiver = forward.__func__, forward.__self__
+    elif isinstance(forward, types.FunctionType):
+        function, receiver = forward, None
+    elif getattr(forward, "__wrapped__", None) is type(module).forward:
+        # a callable object that calls the class's forward with the module and says so with
+        # `functools.update_wrapper` (nnsight's controller, installed by `nnsight.NNsight`)
+        function, receiver, stand_in = type(module).forward, module, True
     else:
         function, receiver = forward, None
     # a copy this module runs for a trace in progress stands for the function it copies
@@ -602,9 +625,10 @@ def _forward_of(module, what):
     if not isinstance(function, types.FunctionType):
         raise SourceNotAvailable(
             f"{what}: .source needs a forward written in Python, and this forward is "
-            f"{type(function).__name__} {function!r} (a builtin, C or compiled function)"
+            f"{type(function).__name__} {function!r} (a builtin, C or compiled function, or "
+            f"an object that does not say which forward it calls with `__wrapped__`)"
         )
-    return function, receiver
+    return function, receiver, stand_in
 
 
 def module_source(envoy):
@@ -645,7 +669,7 @@ def _module_run(il, envoy, compiled):
     mediator = il.mediator(prefix)
     module = envoy._module
     what = f"{envoy._path} ({type(module).__name__})"
-    function, receiver = _forward_of(module, what)
+    function, receiver, stand_in = _forward_info(module, what)
     inner, chain = _peel(function)
     if compiled_for(inner, what) is not compiled:
         raise InterlaceError(
@@ -668,7 +692,7 @@ def _module_run(il, envoy, compiled):
         before -= 1  # served inside its pre-hook: this call's forward has not started yet
     _align(hub, base, len(names), before)
 
-    if receiver is not None:
+    if receiver is not None and not stand_in:
         hook, code = compiled.shared()
         _swap_in(inner, code)
         hook.runs[id(receiver)] = run
@@ -678,15 +702,19 @@ def _module_run(il, envoy, compiled):
                 del hook.runs[id(receiver)]
             _swap_out(inner)
             run.close()
-    else:  # a plain function set on the instance: replace it there for the run
+    else:
+        # A plain function set on the instance, or an object standing in for the forward
+        # (whose own body may be another library's rewritten copy, which an in-place swap
+        # would not reach): replace it on the instance for the run, and put it back after.
         hook = _RunHook(run)
         copy = _rebuild(chain, compiled.function(inner, hook))
         setattr(copy, _COPY_OF, function)
+        installed = copy if receiver is None else types.MethodType(copy, receiver)
         previous = hooks.forward_of(module)
-        hooks.set_forward(module, copy)
+        hooks.set_forward(module, installed)
 
         def undo():
-            if hooks.forward_of(module) is copy:
+            if hooks.forward_of(module) is installed:
                 hooks.set_forward(module, previous)
             hook.run = None
             run.close()
