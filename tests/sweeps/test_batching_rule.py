@@ -408,3 +408,19 @@ def test_a_right_padded_encoding_reaches_the_model_as_given(lm, tokenizer):
     real = enc["attention_mask"].bool()
     assert torch.allclose(logits[real], ref[real], atol=1e-5)
     assert torch.allclose(swept[1][real], ref[real], atol=1e-5)
+
+
+def test_a_batch_dim_no_value_carries_is_refused():
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+        def forward(self, x):  # x: (2, n): pools dim 1 away at once
+            return self.lin(x.sum(1))
+
+    model = interlace.Model(Pooled().eval(), batch_dim=1)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with pytest.raises(BatchingError, match="batch_dim=1.*no value"):
+        with torch.no_grad(), model.sweep(xs, batch_size=3, progress=False):
+            model.lin.output.save()

@@ -97,6 +97,7 @@ class Engine:
             call, args, kwargs = self._build(interleaver, invokes, run, batcher, edits)
         # This model's turn (other threads' traces first), then the run.
         together = False
+        learning = None
         me = threading.get_ident()
         if self.lock.acquire(blocking=False):
             self.owner = me
@@ -117,8 +118,14 @@ class Engine:
                                                   interleaver.dim)
                     layouts = interleaver.learner.signatures
                 interleaver.layouts = layouts
-            return interleaver.run(call, args, kwargs, run is None)
+            learning = interleaver.learner
+            result = interleaver.run(call, args, kwargs, run is None)
+            if learning is not None and self.batch_dim:
+                self._check_carried(learning.signatures)
+            return result
         except RunAlone as signal:
+            if learning is not None and self.batch_dim:
+                self._check_carried(learning.signatures)
             alone = signal
         except Exception as error:
             if not (interleaver.expanded and interleaver.model_failed):
@@ -170,6 +177,21 @@ class Engine:
             result = self.interleave([invoke], run=run, batcher=batcher, backward=backward,
                                      edits=edits)
         return result
+
+    def _check_carried(self, layouts):
+        """After learning: some value computed from the inputs must carry the batch along
+        `batch_dim` (beyond the inputs themselves), else `batch_dim` names the wrong dim."""
+        dim = self.batch_dim
+        if any(leaf[1] and leaf[3] == dim for key, leaves in layouts.items() if key
+               for leaf in leaves):
+            return
+        self.state.layouts = None
+        raise BatchingError(
+            f"batch_dim={dim}: the inputs were batched along dim {dim}, but no value the model "
+            f"computed from them carries the batch there, so no item's values can be told "
+            f"apart; give interlace.Model the dim its inputs are batched along (batch_dim=0 "
+            f"for (batch, ...) inputs, 1 for (sequence, batch, ...))"
+        )
 
     def check_batch_dim(self, batcher):
         """Refuse to batch a model with a sequence-first module until `batch_dim` is given:
