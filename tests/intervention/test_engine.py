@@ -236,10 +236,7 @@ def test_the_engine_uses_the_strategies_it_is_given(mlp, x6):
             halves.append(engine.active().read(2 * 3 + 1))
 
         out = engine.interleave([(read, (x6[:1],), {}), (read, (x6[1:],), {})], batcher=other)
-        # (then "batch 1": the model's first batched run probes the first invoke alone,
-        # to learn which dim of each value carries the batch: probe.py)
-        assert other.calls == ["prepare", "prepare", "batch 2", "batch 1"]
-        assert default.calls == ["prepare", "batch 1"]
+        assert other.calls == ["prepare", "prepare", "batch 2"] and default.calls == ["prepare", "batch 1"]
         assert torch.equal(out, mlp(x6))
         whole = mlp[:3](x6)  # the batch's rows (a batched matmul is not bitwise a row's own)
         assert torch.equal(halves[0], whole[:1]) and torch.equal(halves[1], whole[1:])

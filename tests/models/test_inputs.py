@@ -73,7 +73,9 @@ def test_every_form_gives_the_same_batch(hf_tokenizer):
     assert encoded_right is None  # the folder's tokenizer has no pad token (GPT-2 style)
 
 
-def test_right_padded_tokenizer_output_is_repadded_left(lm):
+def test_right_padded_tokenizer_output_is_kept_as_given_or_repadded_left_to_generate(lm):
+    """One invoke's encoding reaches the model as the user tokenized it (right padding kept);
+    a generation's prompts (strip=True), and invokes of different widths, are left-padded."""
     tok = lm.tokenizer
     tok.padding_side = "right"
     try:
@@ -82,9 +84,17 @@ def test_right_padded_tokenizer_output_is_repadded_left(lm):
         tok.padding_side = "left"
     assert encoded["attention_mask"][0, -1] == 0  # right padded
     got = inputs.prepare(encoded, tok)
+    for k in ("input_ids", "attention_mask"):
+        assert torch.equal(got[k], encoded[k])
     ref = inputs.prepare(PROMPTS, tok)
+    stripped = inputs.prepare(encoded, tok, strip=True)
     for k in ref:
-        assert torch.equal(got[k], ref[k])
+        assert torch.equal(stripped[k], ref[k])
+    wider = inputs.prepare(PROMPTS + ["a much longer prompt than the others are"], tok)
+    combined, _ = inputs.combine([got, wider], tok, [inputs.trim(got), inputs.trim(wider)])
+    n = len(PROMPTS)
+    assert torch.equal(combined["attention_mask"][:n, -ref["input_ids"].shape[1]:], ref["attention_mask"])
+    assert torch.equal(combined["input_ids"][:n, -ref["input_ids"].shape[1]:], ref["input_ids"])
 
 
 def test_single_forms(hf_tokenizer):

@@ -270,6 +270,11 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None):
     it, so `.grad` hooks go on the batch tensor (see `origin`).
     """
 
+    if isinstance(value, torch.Tensor):  # the common case, without the walk
+        axis = axis_of(value, layout[0] if layout else None, total, dim)
+        if type(axis) is int and axis >= 0:
+            return _narrow_leaf(value, axis, rows)
+
     def part(i, tensor):
         axis = axis_of(tensor, layout[i] if layout is not None and i < len(layout) else None,
                        total, dim)

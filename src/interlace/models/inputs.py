@@ -61,8 +61,23 @@ def prepare(inputs, tokenizer=None, *, attention_mask=None, strip=False) -> dict
     return _pad(rows, tokenizer)
 
 
-def combine(batches, tokenizer=None) -> tuple[dict[str, torch.Tensor], list[slice]]:
-    """Several invokes' batches -> one batch, left-padded to the longest, and each invoke's rows."""
+def trim(batch) -> list[dict[str, torch.Tensor]] | None:
+    """The rows of `batch` without their own padding, or None when it has none (computed from
+    real tensors: a scan batches fake ones, whose masks cannot be searched)."""
+    mask = batch.get("attention_mask")
+    try:
+        if mask is None or bool(mask.all()):
+            return None
+    except RuntimeError:  # a scan's fake tensor has no values: its rows stay as they are
+        return None
+    n = batch["input_ids"].shape[0]
+    return [_strip({k: v[i] for k, v in batch.items()}) for i in range(n)]
+
+
+def combine(batches, tokenizer=None, trimmed=None) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    """Several invokes' batches -> one batch, and each invoke's rows. Batches of one width are
+    stacked as given; batches of different widths lose their own padding (`trimmed[i]`, from
+    `trim`) and are left-padded to the longest."""
     if not batches:
         raise ValueError("there are no inputs to batch: give trace() or an invoke() a prompt")
     keys = set(batches[0])
@@ -74,10 +89,12 @@ def combine(batches, tokenizer=None) -> tuple[dict[str, torch.Tensor], list[slic
             )
     if len(batches) == 1:  # the common case: one prompt batch, already padded
         return dict(batches[0]), [slice(0, batches[0]["input_ids"].shape[0])]
+    same = len({batch["input_ids"].shape[1] for batch in batches}) == 1
     rows, slices, start = [], [], 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         n = batch["input_ids"].shape[0]
-        rows.extend({k: v[i] for k, v in batch.items()} for i in range(n))
+        own = None if same else (trimmed[i] if trimmed is not None else trim(batch))
+        rows.extend(own if own is not None else ({k: v[j] for k, v in batch.items()} for j in range(n)))
         slices.append(slice(start, start + n))
         start += n
     return _pad(rows, tokenizer), slices
@@ -187,6 +204,9 @@ def _rows_from_ids(ids: torch.Tensor, attention_mask):
                 f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape "
                 f"{tuple(ids.shape)}; they must match"
             )
+        if not bool(mask.any(-1).all()):
+            raise ValueError("a prompt's attention_mask is all zeros: there is nothing to run "
+                             "the model on")
     return [{"input_ids": ids[i], "attention_mask": mask[i].to(ids.device)} for i in range(ids.shape[0])]
 
 
@@ -255,15 +275,12 @@ def _strip(row):
 
 
 def _pad(rows, tokenizer) -> dict[str, torch.Tensor]:
-    """Stack rows of one width as they are; rows of different widths lose their own padding
-    and are left-padded to the longest (with the tokenizer's pad id)."""
+    """Stack rows of one width as they are; left-pad rows of different widths to the longest
+    (with the tokenizer's pad id)."""
     lengths = [row["input_ids"].shape[0] for row in rows]
     length = max(lengths)
     if min(lengths) == length:
         return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-    rows = [_strip(row) for row in rows]
-    lengths = [row["input_ids"].shape[0] for row in rows]
-    length = max(lengths)
     pad_id = pad_token_id(tokenizer)
     out = {}
     for key in rows[0]:
@@ -315,11 +332,13 @@ class PromptBatcher(Batcher):
             self.check_forward_kwargs(rest)
         prepared = Prepared((), rest, batch["input_ids"].shape[0])
         prepared.prompt = batch
+        prepared.trimmed = trim(batch)  # (now: a scan batches fake tensors)
         return prepared
 
     def batch(self, prepared):
         _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
-        combined, _ = combine([p.prompt for p in prepared], self.tokenizer)
+        combined, _ = combine([p.prompt for p in prepared], self.tokenizer,
+                              [getattr(p, "trimmed", None) for p in prepared])
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
