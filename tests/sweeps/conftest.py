@@ -127,7 +127,8 @@ def ray_cluster():
     """
     import os
 
-    ray = pytest.importorskip("ray", reason="executor='ray' needs ray: pip install 'interlace[ray]'")
+    ray = pytest.importorskip("ray",
+                              reason="executor='ray' needs ray: pip install 'interlace[ray]'")
     from interlace.sweeps.executors.ray import release
 
     # workers import the interlace under test (this checkout's src/, first on the driver's path)
