@@ -7,9 +7,9 @@ when the cluster has GPUs, else `workers=` actors (default: one per CPU of the c
 What travels, and how often:
 
 - the model, once: a `LanguageModel` loaded from a repo id or folder is rebuilt on each
-  worker from its recipe (id, dtype, device map, keywords) while its weights are the ones it
-  loaded; any other model, or one changed since, ships its module once through Ray's object
-  store. The actors are kept for the next sweep of the same model until it is
+  worker from its recipe (id, dtype, device map, keywords) while it is as it loaded (same
+  fingerprint); any other model, or one changed since, ships its module once through Ray's
+  object store. The actors are kept for the next sweep of the same model until it is
   garbage-collected, `release(model)` or Ray shuts down; when what its forward computes has
   changed since the last sweep (`models/fingerprint.py`: training flags, hooks, structure,
   parameters, buffers, attributes), the same actors rebuild their replica from the new one;
@@ -433,7 +433,6 @@ class _Worker:
 
         if not torch.cuda.is_available():
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        self.model = None
         self._build(recipe)
         self.number = number
         self.job = self.shared = self.modes = None
@@ -442,7 +441,7 @@ class _Worker:
         import torch
 
         cls, args, kwargs, to_gpu = recipe
-        self.model = None  # the old replica goes first: two may not fit on the GPU
+        self.model = None  # an old replica goes first: two may not fit on the GPU
         self.model = model = cls(*args, **kwargs)
         if to_gpu and torch.cuda.is_available():
             module_of(model).to("cuda")
