@@ -1,6 +1,7 @@
 # interlace developer commands. `make demo` and `make test` work from a fresh clone:
 # each creates .venv (Python 3.11) and installs what it needs, torch first (the CPU build
-# pinned below; a bare `torch` requirement resolved first would pull a multi-GB CUDA build).
+# pinned below; a bare `torch` requirement resolved first would pull a multi-GB CUDA build),
+# and the extras whose tests would otherwise skip (ray: executor="ray", pandas: to_pandas()).
 
 PYTHON311 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11.*/bin/python3.11) $(shell command -v python3.11))
 TORCH_SPEC ?= torch==2.13.0
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "setuptools>=77" "Cython>=3.0" wheel
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare,ray,pandas]"
 	touch $(STAMP)
 
 build: $(STAMP)

@@ -117,3 +117,26 @@ class Calls:
 
     def __exit__(self, *exc):
         self.handle.remove()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) for every Ray test of the session: each start takes seconds.
+
+    Skips when ray is not installed (`make test` installs it: the `ray` extra).
+    """
+    import os
+
+    ray = pytest.importorskip("ray",
+                              reason="executor='ray' needs ray: pip install 'interlace[ray]'")
+    from interlace.sweeps.executors.ray import release
+
+    # workers import the interlace under test (this checkout's src/, first on the driver's path)
+    # rather than whichever one the environment has installed
+    source = os.path.dirname(os.path.dirname(interlace.__file__))
+    path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield ray
+    release()  # session-wide models must not keep actors of a cluster that is shut down
+    ray.shutdown()

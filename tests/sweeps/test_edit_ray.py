@@ -1,7 +1,7 @@
 """`model.edit()` on Ray workers: a sweep of an edited wrapper replays its edits on every
 worker's replica, equal to the local executor item for item (and to plain hooks).
 
-A local Ray cluster on the CPU; skipped when ray is not installed.
+The session's local Ray cluster on the CPU (conftest.py); skipped when ray is not installed.
 """
 
 import pytest
@@ -12,17 +12,7 @@ ray = pytest.importorskip("ray", reason="executor='ray' needs ray: pip install '
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from interlace.sweeps.executors.ray import release
-
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    release()  # the session-wide `model` must not keep actors of a cluster that is shut down
-    ray.shutdown()
-
-
-def test_a_sweep_of_an_edited_wrapper_on_ray_applies_the_edits(cluster, gpt2, model, corrupt):
+def test_a_sweep_of_an_edited_wrapper_on_ray_applies_the_edits(ray_cluster, gpt2, model, corrupt):
     scale = 3.0
     with model.edit() as (tracer, edited):
         for _ in tracer.all():

@@ -1,7 +1,7 @@
 """`executor="ray"`: the same sweep on Ray actors equals the local executor, item for item.
 
-A local Ray cluster on the CPU (`num_cpus=2`); skipped when ray is not installed (it is an
-optional extra: `pip install 'interlace[ray]'`).
+The session's local Ray cluster on the CPU (`num_cpus=2`, conftest.py); skipped when ray is
+not installed (it is an optional extra: `pip install 'interlace[ray]'`; `make test` installs it).
 """
 
 import dataclasses
@@ -14,13 +14,6 @@ ray = pytest.importorskip("ray", reason="executor='ray' needs ray: pip install '
 pytestmark = pytest.mark.slow
 
 A, B = 5, 7
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def logit_gap(logits):
@@ -36,7 +29,8 @@ class Cell:
     pos: int
 
 
-def test_patching_sweep_on_ray_equals_the_local_executor(cluster, gpt2, model, clean_ids, corrupt):
+def test_patching_sweep_on_ray_equals_the_local_executor(ray_cluster, gpt2, model, clean_ids,
+                                                         corrupt):
     with torch.no_grad(), model.trace(clean_ids):
         clean = [model.transformer.h[i].output for i in range(2)].save()
     cells = [Cell(layer, pos) for layer in range(2) for pos in range(8)]
@@ -56,7 +50,8 @@ def test_patching_sweep_on_ray_equals_the_local_executor(cluster, gpt2, model, c
     assert not all(torch.equal(remote[0], r) for r in remote)
 
 
-def test_an_error_on_a_worker_names_the_item_and_keeps_the_items_before(cluster, model, corrupt):
+def test_an_error_on_a_worker_names_the_item_and_keeps_the_items_before(ray_cluster, model,
+                                                                        corrupt):
     with pytest.raises(ZeroDivisionError) as info:
         with torch.no_grad(), model.sweep(range(12), input=corrupt, batch_size=2, executor="ray",
                                           workers=2, progress=False) as sweep:
@@ -71,7 +66,7 @@ def test_an_error_on_a_worker_names_the_item_and_keeps_the_items_before(cluster,
     assert all(torch.equal(v, alone) for v in sweep.results["out"])
 
 
-def test_language_model_loaded_from_a_folder_is_rebuilt_on_workers(cluster, lm, tmp_path):
+def test_language_model_loaded_from_a_folder_is_rebuilt_on_workers(ray_cluster, lm, tmp_path):
     import interlace
 
     lm._module.save_pretrained(tmp_path)

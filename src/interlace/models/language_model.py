@@ -12,6 +12,7 @@ from ..intervention.envoy import engine_of, module_of
 from ..intervention.session import check_remote
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs
+from .fingerprint import fingerprint
 from .inputs import POSITION_IDS, PromptBatcher
 from .inputs import UnknownKeywordError  # noqa: F401 - raised by trace/generate: importable here
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
@@ -208,18 +209,14 @@ class LanguageModel(Model):
 
 
 def _unchanged_since_load(module):
-    """A check: are `module`'s weights still the ones loaded (no tensor replaced or edited)?
+    """A check: does `module` still compute what it did when loaded (`fingerprint`)?
 
     A Ray sweep rebuilds a loaded model on its workers from the recipe only while this holds;
-    weights edited in place after loading (version counters) or replaced are shipped instead.
+    a model changed since (weights edited or replaced, training flags, hooks, submodules,
+    attributes) is shipped instead.
     """
-
-    def weights():
-        return [(id(t), t._version, t.data_ptr()) for t in module.parameters()] + [
-            (id(t), t._version, t.data_ptr()) for t in module.buffers()]
-
-    loaded = weights()
-    return lambda: weights() == loaded
+    loaded = fingerprint(module)
+    return lambda: fingerprint(module) == loaded
 
 
 class LanguageTracer(InterleavingTracer):

@@ -7,10 +7,12 @@ when the cluster has GPUs, else `workers=` actors (default: one per CPU of the c
 What travels, and how often:
 
 - the model, once: a `LanguageModel` loaded from a repo id or folder is rebuilt on each
-  worker from its recipe (id, dtype, device map, keywords) while its weights are the ones it
-  loaded; any other model, or one whose weights were edited or replaced since, ships its
-  module once through Ray's object store. The actors are kept for the next sweep of the same
-  model until its weights change, it is garbage-collected, `release(model)` or Ray shuts down;
+  worker from its recipe (id, dtype, device map, keywords) while it is as it loaded (same
+  fingerprint); any other model, or one changed since, ships its module once through Ray's
+  object store. The actors are kept for the next sweep of the same model until it is
+  garbage-collected, `release(model)` or Ray shuts down; when what its forward computes has
+  changed since the last sweep (`models/fingerprint.py`: training flags, hooks, structure,
+  parameters, buffers, attributes), the same actors rebuild their replica from the new one;
 - the body, once per worker and sweep: the captured block, the caller's variables it mentions and the
   globals it reads, pickled by value with cloudpickle -- including functions and classes
   defined in the caller's own module (a script's `__main__`, a notebook, a test file), which
@@ -37,6 +39,7 @@ import weakref
 from ...errors import InterlaceError
 from ...intervention.edit import edits_of
 from ...intervention.envoy import child_of, engine_of, module_of
+from ...models.fingerprint import fingerprint
 from ..runner import WINDOW, InOrder, Runner, plan_batches
 
 INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
@@ -73,13 +76,13 @@ def _run(sweep, job):
         ray.init()
     model = sweep.model
     payload = ray.put(_dump_body(sweep, job))
-    actors = _actors(ray, model, sweep.workers)
+    actors, recipe = _actors(ray, model, sweep.workers)
     try:
-        ray.get([a.load.remote(payload) for a in actors])
+        ray.get([a.load.remote(payload, recipe) for a in actors])
     except Exception:  # noqa: BLE001 - a kept actor died (or its cluster went): make new ones
         release(model)
-        actors = _actors(ray, model, sweep.workers)
-        ray.get([a.load.remote(payload) for a in actors])
+        actors, recipe = _actors(ray, model, sweep.workers)
+        ray.get([a.load.remote(payload, recipe) for a in actors])
     total = length_of(sweep.items)
     bar = progress_bar(sweep, total)
     results = sweep.results
@@ -124,45 +127,55 @@ def _item_failure(error):
     return item_of(error) is not None
 
 
-# -- the actors: one pool per model, kept for the next sweep while its weights are unchanged ---
+# -- the actors: one pool per model, kept for the next sweep; replicas rebuilt when it changed --
 
 _POOLS = weakref.WeakKeyDictionary()  # model wrapper -> _Pool
 
 
 class _Pool:
-    __slots__ = ("actors", "key")
+    __slots__ = ("actors", "key", "state")
 
-    def __init__(self, actors, key):
+    def __init__(self, actors, key, state):
         self.actors = actors
-        self.key = key
+        self.key = key  # how many actors, where: a different one needs other actors
+        self.state = state  # the model's fingerprint when the replicas were made
 
 
 def _actors(ray, model, workers):
-    """The actors holding `model`'s replicas: made once, rebuilt when the weights change."""
+    """The actors holding `model`'s replicas, and the recipe they must rebuild their replica
+    from before this sweep (None while the model is as it was shipped).
+
+    Made once; while the same actors fit, a model changed since the last sweep (any change to
+    what its forward computes: `fingerprint`) is shipped to them again rather than new actors
+    started. The check costs one fingerprint per sweep (about 2 ms for GPT-2 small).
+    """
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
     count = workers or gpus or max(1, int(resources.get("CPU", 1)))
     on_gpu = gpus > 0
     context = ray.get_runtime_context()  # a new cluster has new node ids (job ids restart)
-    key = (count, on_gpu, _fingerprint(module_of(model)), context.get_node_id(), context.get_job_id())
+    key = (count, on_gpu, context.get_node_id(), context.get_job_id())
+    state = fingerprint(module_of(model))
     pool = _POOLS.get(model)
     if pool is not None and pool.key == key:
-        return pool.actors
+        if pool.state == state:
+            return pool.actors, None
+        pool.state = state
+        return pool.actors, ray.put(_recipe(model, on_gpu))
     release()  # one pool at a time: another model's actors hold the cluster's CPUs/GPUs
     recipe = ray.put(_recipe(model, on_gpu))
     actor = ray.remote(_Worker).options(num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0)
     actors = [actor.remote(recipe, number) for number in range(count)]
-    _POOLS[model] = _Pool(actors, key)
+    _POOLS[model] = _Pool(actors, key, state)
     weakref.finalize(model, _kill, actors)
-    return actors
+    return actors, None
 
 
 def release(model=None):
     """Stop the Ray actors kept for `model` (every model's when None); the next sweep makes new ones.
 
     Actors stay between sweeps of one model (a replica takes long to build, especially on a
-    GPU) until a sweep of another model, a change of the model's weights, its garbage
-    collection, or Ray shutting down.
+    GPU) until a sweep of another model, its garbage collection, or Ray shutting down.
     """
     models = list(_POOLS) if model is None else [model]
     for each in models:
@@ -180,14 +193,6 @@ def _kill(actors):
                 ray.kill(actor)
     except Exception:  # noqa: BLE001 - the cluster is gone already: nothing to stop
         pass
-
-
-def _fingerprint(module):
-    """Which tensors the model holds and their version counters (an in-place edit bumps one)."""
-    import itertools as _it
-
-    return tuple((id(t), t._version, t.data_ptr())
-                 for t in _it.chain(module.parameters(), module.buffers()))
 
 
 def _schedule(ray, actors, entries, size, shared, done, sweep):
@@ -426,21 +431,30 @@ class _Worker:
     def __init__(self, recipe, number):
         import torch
 
-        cls, args, kwargs, to_gpu = recipe
-        self.model = model = cls(*args, **kwargs)
-        if to_gpu and torch.cuda.is_available():
-            module_of(model).to("cuda")
-        elif not torch.cuda.is_available():
+        if not torch.cuda.is_available():
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        self._build(recipe)
         self.number = number
         self.job = self.shared = self.modes = None
 
-    def load(self, payload):
-        """This sweep's body, the caller's variables and settings (once per sweep)."""
+    def _build(self, recipe):
+        import torch
+
+        cls, args, kwargs, to_gpu = recipe
+        self.model = None  # an old replica goes first: two may not fit on the GPU
+        self.model = model = cls(*args, **kwargs)
+        if to_gpu and torch.cuda.is_available():
+            module_of(model).to("cuda")
+
+    def load(self, payload, recipe=None):
+        """This sweep's body, the caller's variables and settings (once per sweep); first the
+        model again from `recipe` when the driver's has changed since the replica was made."""
         from ..runner import Job
 
         from ...intervention.edit import set_edits
 
+        if recipe is not None:
+            self._build(recipe)
         tracer, namespace, settings, modes, edits = _BodyUnpickler(
             io.BytesIO(payload), self.model).load()
         set_edits(self.model, edits)
