@@ -104,7 +104,7 @@ class TwoArgs(torch.nn.Module):
         return self.proj(x) * torch.sigmoid(self.gate(y)) * scale
 
 
-def test_inputs_cache_and_stop_on_ray_equal_the_local_executor(cluster):
+def test_inputs_cache_and_stop_on_ray_equal_the_local_executor(ray_cluster):
     import interlace
 
     model = interlace.Model(TwoArgs().eval())
