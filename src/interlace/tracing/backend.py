@@ -1,8 +1,9 @@
 """Backend: what runs a captured body once the caller's frame has skipped it.
 
-The default runs the body against a copy of the caller's locals and pushes the result back.
-An interleaving backend (interlace.intervention) runs `tracer.run_body()` inside a mediator,
-concurrently with a model's forward pass, then calls `tracer.push_result(...)` itself.
+The default hands the body's code to the tracer's `execute` step, which runs it against a copy
+of the caller's locals and pushes the result back. An interleaving backend
+(interlace.intervention) runs `tracer.run_body()` inside a mediator, concurrently with a
+model's forward pass, then calls `tracer.push_result(...)` itself.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ class Backend:
     """Run the body now, in this thread, and push its result back into the caller."""
 
     def __call__(self, tracer) -> None:
-        tracer.push_result(tracer.run_body())
+        if "execute" in tracer._old_steps:  # deprecated: execute(block, namespace) -> values
+            tracer.push_result(tracer.run_body())
+        else:
+            tracer.execute(tracer.body_code())
 
     def __repr__(self):
         return f"{type(self).__name__}()"
