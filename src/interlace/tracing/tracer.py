@@ -216,7 +216,7 @@ class Tracer(_frames.TracerBase):
         try:
             if "execute" in self._old_steps:  # deprecated: execute(block, namespace) -> values
                 return self.execute(self.block, namespace)
-            return self._run(None, namespace)
+            return self._run_code(None, namespace)
         finally:
             _exit_body(token)
 
@@ -301,10 +301,10 @@ class Tracer(_frames.TracerBase):
         trace's save state, then write its results back with `push_result`.
         (`execute(block, namespace=None) -> dict`: the old shape.)"""
         if type(code) is Block:  # an old-shaped override's super().execute(block, namespace)
-            return self._run(None, *_old)
+            return self._run_code(None, *_old)
         token = _enter_body(self._state or self.trace_state())  # also mounts `.save()`
         try:
-            values = self._run(code, None)
+            values = self._run_code(code, None)
         finally:
             _exit_body(token)
         self.push_result(values)
@@ -361,7 +361,7 @@ class Tracer(_frames.TracerBase):
             )
         return frame.f_locals  # module: its globals; class: its namespace
 
-    def _run(self, code, namespace=None) -> dict:
+    def _run_code(self, code, namespace=None) -> dict:
         """Call the body function `code` (None: `body_code(namespace)`) with its parameters
         bound from `namespace` (default: the caller's locals now); its final locals."""
         block = self.block
