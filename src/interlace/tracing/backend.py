@@ -13,10 +13,10 @@ class Backend:
     """Run the body now, in this thread, and push its result back into the caller."""
 
     def __call__(self, tracer) -> None:
-        if "execute" in tracer._old_steps:  # deprecated: execute(block, namespace) -> values
-            tracer.push_result(tracer.run_body())
-        else:
+        if tracer._own_execute:
             tracer.execute(tracer.body_code())
+        else:  # what the default `execute(body_code())` does, reading the caller's locals once
+            tracer.push_result(tracer.run_body())  # (and the old execute shape's route)
 
     def __repr__(self):
         return f"{type(self).__name__}()"

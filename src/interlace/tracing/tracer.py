@@ -87,6 +87,7 @@ class Tracer(_frames.TracerBase):
 
     _capture_key = None  # None: the default steps; a subclass overriding them: the class
     _old_steps = frozenset()  # the steps this class overrides with their old shape
+    _own_execute = False  # overrides `execute` in its new shape (the default backend calls it)
     # Per-run state lives in frames.TracerBase's fields (_FIELDS), None until set: `block`,
     # `backend`, `_frame` (the caller's frame while the trace runs), `_plan` (its SkipPlan; None
     # for pass-only bodies, which run inline), `_parent` (the enclosing trace's state, read at
@@ -99,6 +100,7 @@ class Tracer(_frames.TracerBase):
         overrides = any(getattr(cls, name) is not getattr(Tracer, name) for name in _STEPS)
         cls._capture_key = cls if overrides else None
         cls._old_steps = _old_steps(cls)
+        cls._own_execute = cls.execute is not Tracer.execute and "execute" not in cls._old_steps
         enter = cls.__dict__.get("__enter__")
         if enter is not None and hasattr(enter, "__code__"):
             _frames.look_past(enter.__code__)  # its frame is walked past to find the user's
@@ -368,21 +370,24 @@ class Tracer(_frames.TracerBase):
         frame = self._frame
         snapshot = namespace is None
         if snapshot:
-            namespace = self._caller_names()
+            namespace = frame.f_locals if frame is not None else self._caller_names()
         if code is None:
-            params = tuple(filter(namespace.__contains__, block.names))
-            code = block.function_code(params, self, frame=frame)
+            params = tuple([name for name in block.names if name in namespace])
         else:
             params = code.co_varnames[: code.co_argcount - 1]  # (the last: LOCALS_PARAM)
         if frame is not None:
             globals_ = frame.f_globals
             key = (params, id(globals_))
             function = block.callables.get(key)
-            if function is None or function.__code__ is not code:
+            if function is None or (code is not None and function.__code__ is not code):
+                if code is None:
+                    code = block.function_code(params, self, frame=frame)
                 function = block.callables[key] = _make_function(code, globals_)
         else:  # a rebuilt (unpickled) tracer: `namespace` is all it has
+            if code is None:
+                code = block.function_code(params, self)
             function = _make_function(code, dict(namespace))
-        arguments = tuple(map(namespace.__getitem__, params))
+        arguments = [namespace[name] for name in params]
         if snapshot:
             skip.release_locals(frame, namespace)  # the snapshot would keep the caller's locals alive
         result = function(*arguments)
