@@ -383,6 +383,8 @@ def test_old_shaped_overrides_work_with_one_warning_naming_the_new_shapes():
     )
     assert len(caught) == 1
     message = str(caught[0].message)
+    assert message.startswith(f"{__file__}:3: Old overrides parse, build, compile, execute")
+    assert (caught[0].filename, caught[0].lineno) == (__file__, 2)  # the class statement
     for shape in ("parse(self, source: str, lineno: int)", "build(self, node)",
                   "compile(self, module, frame)", "execute(self, code)"):
         assert shape in message

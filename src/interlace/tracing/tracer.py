@@ -457,11 +457,12 @@ def _old_steps(cls) -> frozenset:
     if mine:
         import warnings
 
+        first = cls.__dict__[mine[0]].__code__
         shapes = "; ".join(_OLD_SHAPES[name][1] for name in mine)
         warnings.warn(
-            f"{cls.__qualname__} overrides {', '.join(mine)} with the old shape of the Tracer "
-            f"step{'s' if len(mine) > 1 else ''}, which works for one more release. Write "
-            f"{shapes} (docs/tracer.md).",
+            f"{first.co_filename}:{first.co_firstlineno}: {cls.__qualname__} overrides "
+            f"{', '.join(mine)} with the old shape of the Tracer step{'s' if len(mine) > 1 else ''}, "
+            f"which works for one more release. Write {shapes} (docs/tracer.md).",
             DeprecationWarning,
             stacklevel=3,  # the class statement (through __init_subclass__)
         )
