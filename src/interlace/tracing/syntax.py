@@ -1,7 +1,10 @@
 """The `with` statement as source: find it at a call site, check its shape, compile its body.
 
 `blocks.capture` calls `build_block` on a miss (imported then: the parser and its modules
-cost `import interlace` nothing); the result is a `blocks.Block`.
+cost `import interlace` nothing); the result is a `blocks.Block`. The tracer's steps run here:
+its `parse` finds the node, its `build` gives the statements the body runs, and
+`function_module` wraps them in the body function that its `compile` compiles (the default
+steps are `parse_source`/`parse`, `build_module` and `compile_module`).
 
 Only the `with` statement itself is parsed (a slice of the file, from the `with` line to the
 first line back at its indentation); the whole file is parsed only when the slice does not
