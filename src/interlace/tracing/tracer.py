@@ -276,14 +276,14 @@ class Tracer(_frames.TracerBase):
             frame = sys._getframe(1)
         return blocks.capture(frame, self, self._capture_key)
 
-    def parse(self, source: str, lineno: int):
+    def parse(self, source: str, lineno: int):  # -> ast.With | ast.AsyncWith | None
         """The `with` / `async with` node that starts on line `lineno` of `source` (the file's
         line numbers; a line one of its items starts on also finds it), or None."""
         if type(source) is not str:  # an old-shaped override's super().parse(lines, site)
             return blocks.parse(source, lineno)
         return blocks.parse_source(source, lineno)
 
-    def build(self, node, *_old):
+    def build(self, node, *_old):  # -> ast.Module
         """The block's body as a module to compile: `node`'s body statements (not the `with`
         line), missing locations filled in. (`build(block, params)`: the old shape.)"""
         if _old:  # an old-shaped override's super().build(block, params)
