@@ -321,13 +321,13 @@ def test_deferred_run_uses_the_subclass_build_and_compile():
     calls = []
 
     class Steps(Tracer):
-        def build(self, block, params):
+        def build(self, node):
             calls.append("build")
-            return super().build(block, params)
+            return super().build(node)
 
-        def compile(self, block, tree):
+        def compile(self, module, frame):
             calls.append("compile")
-            return super().compile(block, tree)
+            return super().compile(module, frame)
 
     keep = Keep()
 
@@ -342,7 +342,7 @@ def test_deferred_run_uses_the_subclass_build_and_compile():
     body = keep.bodies[0]
     assert body.run()["out"] == "xx"
     body.run(globals=Lazy(body.globals, {}), reads_as_globals=True)  # another variant
-    assert calls == ["build", "compile"]  # compiled once per variant (the first at capture)
+    assert calls == ["compile"]  # built once at capture, compiled once per variant
 
 
 def test_a_rebuilt_tracer_defers_with_a_namespace_only():
@@ -397,21 +397,21 @@ def test_each_overridden_step_is_honoured():
     calls = []
 
     class Steps(Tracer):
-        def parse(self, lines, site):
-            calls.append(("parse", site.lineno))
-            return super().parse(lines, site)
+        def parse(self, source, lineno):
+            calls.append(("parse", lineno))
+            return super().parse(source, lineno)
 
-        def build(self, block, params):
-            calls.append(("build", params))
-            return super().build(block, params)
+        def build(self, node):
+            calls.append(("build", node.lineno))
+            return super().build(node)
 
-        def compile(self, block, tree):
-            calls.append(("compile", block.lineno))
-            return super().compile(block, tree)
+        def compile(self, module, frame):
+            calls.append(("compile", frame.f_code.co_name))
+            return super().compile(module, frame)
 
-        def execute(self, block, namespace=None):
-            calls.append(("execute", block.lineno))
-            return super().execute(block, namespace)
+        def execute(self, code):
+            calls.append(("execute", code.co_varnames[: code.co_argcount - 1]))
+            super().execute(code)
 
     def f(cm):
         seed = 3
@@ -422,9 +422,9 @@ def test_each_overridden_step_is_honoured():
     grown, tracer = f(Steps)
     line = tracer.block.lineno
     assert grown == f(lambda: _Inline())[0] == 4
-    assert calls == [("parse", line), ("build", ("seed",)), ("compile", line), ("execute", line)]
+    assert calls == [("parse", line), ("build", line), ("compile", "f"), ("execute", ("seed",))]
     calls.clear()
-    assert f(Steps)[0] == 4 and calls == [("execute", line)]  # capture is memoised
+    assert f(Steps)[0] == 4 and calls == [("execute", ("seed",))]  # capture is memoised
 
 
 class _Inline:

@@ -115,9 +115,9 @@ def test_subclass_overriding_steps_gets_its_own_entry():
     built = []
 
     class Steps(Tracer):
-        def build(self, block, params):
-            built.append(block.lineno)
-            return super().build(block, params)
+        def build(self, node):
+            built.append(node.lineno)
+            return super().build(node)
 
     def f(cm, n):
         for i in range(n):

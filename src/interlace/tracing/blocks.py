@@ -13,8 +13,9 @@ holds its Block; the next one captures the site again), and each Block keeps its
 
 What a miss does (read the `with` statement's source, check its shape, compile its body) is
 `interlace.tracing.syntax`, imported at the first capture: `import interlace` loads no parser
-(`ast`, `dis`, `re`). The default steps `parse`, `build` and `compile_tree` are reachable here
-too (`blocks.parse`, ...), for `Tracer`'s steps and subclasses that call them.
+(`ast`, `dis`, `re`). The default steps (`parse_source`, `build_module`, `compile_module`) are
+reachable here too (`blocks.parse_source`, ...), loading `syntax` when first used, for
+`Tracer`'s steps.
 """
 
 from __future__ import annotations
@@ -72,11 +73,13 @@ class Block:
         return f"<Block {self.filename}:{self.lineno} in {self.co_name} assigns {sorted(self.assigned_names)}>"
 
     # -- the compiled body ------------------------------------------------------------
-    def function_code(self, params, steps, reads_as_globals=False):
-        """The body compiled as a function of `params` (compiled once per tuple of names).
+    def function_code(self, params, steps, reads_as_globals=False, frame=None):
+        """The body compiled as a function of `params` (compiled once per tuple of names),
+        through the tracer `steps`' `build` and `compile` steps.
 
         `reads_as_globals`: the caller's locals the body only reads and that are not in
-        `params` are global lookups (`globalize_reads`), not unbound locals.
+        `params` are global lookups (`globalize_reads`), not unbound locals. `frame`: the
+        caller's frame, handed to the `compile` step (None: it is gone, a stand-in goes).
         """
         key = (params, True) if reads_as_globals else params
         try:
@@ -88,26 +91,32 @@ class Block:
         with _compile_lock:
             code = self._functions.get(key)  # (kept here: a later insertion may evict it)
             if code is None:
-                self._ensure_statements()
-                tree = steps.build(self, params)
+                self._ensure_statements(steps)
+                tree = steps._function_tree(self, params)
                 if reads_as_globals:
                     tree = syntax.globalize_reads(tree, self)
-                code = steps.compile(self, tree)
+                code = steps._function_code(self, tree, frame)
                 self._register(code)
                 self._functions[key] = code
         return code
 
-    def _ensure_statements(self):
+    def stand_in_frame(self):
+        """What the `compile` step reads of the caller's frame when that frame is gone (a
+        deferred body run after `__exit__`, a tracer rebuilt from a pickle): `f_code` (with
+        the caller's filename, name, qualified name and future flags) and `f_lineno`."""
+        return _StandInFrame(self)
+
+    def _ensure_statements(self, steps):
         if self.statements is None:  # rebuilt after unpickling: parse our own slice again
             from . import syntax
 
             lines = ("\n",) * (self.first_line - 1) + tuple(self.source_lines)
-            tree = syntax._parse_slice(lines, self.first_line)
-            node = syntax._find_with(tree, self.lineno, None, None)
+            node = steps._parse_source("".join(lines), self.lineno)
             if node is None:
                 raise WithBlockNotFoundError(f"{self.filename}:{self.lineno}: cannot rebuild the pickled block")
             self.node = node
-            self.statements = syntax._scope_declarations(syntax._body_statements(node, self.item_index), self.kind)[0]
+            statements = syntax.body_statements(node, self.item_index, steps)
+            self.statements = syntax._scope_declarations(statements, self.kind)[0]
 
     def _register(self, code):
         if self.item_index < self.n_items - 1:  # the body is `with <later items>: body`
@@ -130,6 +139,20 @@ class Block:
             setattr(self, name, state.get(name))
         self._functions = _Recent(FUNCTIONS_LIMIT)
         self.callables = _Recent(FUNCTIONS_LIMIT)
+
+
+class _StandInFrame:
+    """`Block.stand_in_frame()`: the caller's frame as far as compiling its body goes."""
+
+    __slots__ = ("f_code", "f_lineno")
+
+    def __init__(self, block):
+        code = builtins.compile("", block.filename, "exec", dont_inherit=True)
+        names = dict(co_name=block.co_name, co_flags=code.co_flags | (block.flags or 0), co_firstlineno=block.lineno)
+        if hasattr(code, "co_qualname"):
+            names["co_qualname"] = block.co_qualname
+        self.f_code = code.replace(**names)
+        self.f_lineno = block.lineno
 
 
 #: Compiled bodies and body functions a Block keeps. One set of bound names and one globals
@@ -214,7 +237,9 @@ def make_function(code, globals_):
     return types.FunctionType(code, globals_, code.co_name, (builtins.locals,))
 
 
-_STEPS = frozenset({"parse", "build", "compile_tree"})  # the default steps, defined in syntax
+# The default steps, and their old shapes, defined in syntax
+_STEPS = frozenset({"parse_source", "build_module", "compile_module", "parse", "function_module",
+                    "compile_tree", "function_of", "with_line"})
 
 
 def __getattr__(name):

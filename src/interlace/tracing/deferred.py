@@ -79,15 +79,15 @@ class DeferredBody:
         if globals is None:
             globals_ = self.globals
             if globals_ is None:  # rebuilt from a pickle: the namespace is all there is
-                function = _make_function(block.function_code(params, self.tracer, reads_as_globals), dict(namespace))
+                function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), dict(namespace))
             else:
                 key = (params, id(globals_), True) if reads_as_globals else (params, id(globals_))
                 function = block.callables.get(key)  # (the function keeps globals_, hence its id)
                 if function is None:
-                    code = block.function_code(params, self.tracer, reads_as_globals)
+                    code = block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame)
                     function = block.callables[key] = _make_function(code, globals_)
         else:  # a mapping of this run's own: not cached
-            function = _make_function(block.function_code(params, self.tracer, reads_as_globals), globals)
+            function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), globals)
         self._code = function.__code__
         self._entry = namespace
         arguments = tuple(map(namespace.__getitem__, params))

@@ -1,7 +1,10 @@
 """The `with` statement as source: find it at a call site, check its shape, compile its body.
 
 `blocks.capture` calls `build_block` on a miss (imported then: the parser and its modules
-cost `import interlace` nothing); the result is a `blocks.Block`.
+cost `import interlace` nothing); the result is a `blocks.Block`. The tracer's steps run here:
+its `parse` finds the node, its `build` gives the statements the body runs, and
+`function_module` wraps them in the body function that its `compile` compiles (the default
+steps are `parse_source`/`parse`, `build_module` and `compile_module`).
 
 Only the `with` statement itself is parsed (a slice of the file, from the `with` line to the
 first line back at its indentation); the whole file is parsed only when the slice does not
@@ -148,6 +151,47 @@ def parse(lines, site):
     return None if tree is None else _find_with(tree, site.lineno, site.col, site.position)
 
 
+def parse_source(source, lineno):
+    """`Tracer.parse`'s default: the `with`/`async with` node starting on `lineno` of `source`
+    (or one of whose items starts there: 3.12+ enter an item from its own line), or None.
+
+    Line numbers are the file's. Only the statement is parsed (a slice from its `with` line);
+    the whole text only when the slice does not parse."""
+    lines = source.splitlines(keepends=True)
+    if not 1 <= lineno <= len(lines):
+        return None
+    start = _with_start(lines, lineno)
+    if start is not None:
+        try:
+            node = _with_on_line(_parse_slice(lines, start), lineno)
+        except SyntaxError:
+            node = None
+        if node is not None:
+            return node
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    return _with_on_line(tree, lineno)
+
+
+def _with_on_line(tree, lineno):
+    """The With node starting on `lineno`, else the one with an item starting there."""
+    withs = [node for node in ast.walk(tree) if type(node) in _WITH_NODES]
+    for node in withs:
+        if node.lineno == lineno:
+            return node
+    for node in withs:
+        if any(item.context_expr.lineno == lineno for item in node.items):
+            return node
+    return None
+
+
+def with_line(lines, lineno):
+    """The line the `with` keyword of the statement entered at `lineno` is on."""
+    return _with_start(lines, lineno) or lineno
+
+
 # filename -> whole-file AST (the fallback only), or None if it does not parse; a few files.
 _TREES: dict = _Recent(4)
 
@@ -250,16 +294,24 @@ def _item_index(node, site, code):
     return _item_index_from_bytecode(code, site.lasti, site) % len(node.items)
 
 
-def _body_statements(node, item_index):
-    """The statements the skip jumps over: the body, or `with <later items>: body`."""
+def _body_statements(node, item_index, body=None):
+    """The statements after the tracer's item: `body` (default: the source's), or
+    `with <later items>: body` when the tracer is not the last item."""
+    body = node.body if body is None else body
     if item_index == len(node.items) - 1:
-        return list(node.body)
+        return list(body)
     rest = node.items[item_index + 1 :]
     first = rest[0].context_expr
-    inner = ast.With(items=rest, body=node.body, type_comment=None)
+    inner = ast.With(items=rest, body=body, type_comment=None)
     inner.lineno, inner.col_offset = first.lineno, first.col_offset
     inner.end_lineno, inner.end_col_offset = node.end_lineno, node.end_col_offset
     return [inner]
+
+
+def body_statements(node, item_index, steps):
+    """What the body function runs: the statements of the tracer's `build` step, entered
+    into the later items of the `with` when the tracer is not its last item."""
+    return _body_statements(node, item_index, steps._built_body(node))
 
 
 # -- building the Block ---------------------------------------------------------------------
@@ -282,7 +334,7 @@ def build_block(frame, steps):
             f"from its source: put the code in a file, a notebook cell or `python -c`."
         )
     synthetic = _synthetic_item(code, lasti)
-    node = synthetic[0] if synthetic is not None else steps.parse(lines, site)
+    node = synthetic[0] if synthetic is not None else steps._parse_site(lines, site)
     if node is None:
         raise WithBlockNotFoundError(
             f"{filename}:{site.lineno}: no with statement found at this line of the source; the "
@@ -297,7 +349,10 @@ def build_block(frame, steps):
             f"which cannot run outside the coroutine. Put the tracer last (`async with other, "
             f"tracer:`), or enter the other items in an enclosing `async with`."
         )
-    statements = _body_statements(node, item_index)
+    # What the skip jumps over is the source's body; what runs is the `build` step's.
+    first = _body_statements(node, item_index)[0]
+    passonly = item_index == len(node.items) - 1 and all(_is_inert(stmt) for stmt in node.body)
+    statements = body_statements(node, item_index, steps)
     _refuse_escapes(statements, filename, node.lineno, code.co_name)
     kind = _kind(frame)
     statements, declared_global, declared_nonlocal = _scope_declarations(statements, kind)
@@ -311,8 +366,6 @@ def build_block(frame, steps):
     else:
         names = {n.id for stmt in statements for n in ast.walk(stmt) if type(n) is ast.Name}
         names = tuple(sorted((names | assigned | declared_nonlocal) - declared_global))
-    first = statements[0]
-    passonly = item_index == len(node.items) - 1 and all(_is_inert(stmt) for stmt in node.body)
     start = _with_start(lines, node.lineno) or node.lineno
     block = Block(
         filename=filename,
@@ -346,7 +399,7 @@ def build_block(frame, steps):
         targets = {n.id for item in node.items if item.optional_vars for n in ast.walk(item.optional_vars) if type(n) is ast.Name}
         params = tuple(n for n in names if n in bound or n in targets)
         skip.release_locals(frame, bound)  # the snapshot would keep the caller's locals alive
-        block.function_code(params, steps)
+        block.function_code(params, steps, frame=frame)
     except SyntaxError as error:
         raise UnsupportedBlockError(
             f"{filename}:{error.lineno or node.lineno}: the traced block at line {node.lineno} does "
@@ -553,9 +606,25 @@ def _bound_names(statements):
     return bound
 
 
-# -- default build / compile steps -------------------------------------------------------
-def build(block, params):
-    """The module to compile: one function of `params` whose body is the block's body."""
+# -- the body function, and the default build / compile steps ------------------------------
+def build_module(node):
+    """`Tracer.build`'s default: the block's body statements as a module, locations filled."""
+    return ast.fix_missing_locations(ast.Module(body=list(node.body), type_ignores=[]))
+
+
+def compile_module(module, frame):
+    """`Tracer.compile`'s default: compile under the frame's filename and future flags, named
+    after the frame's function (`co_name`, and `co_qualname` on 3.11+)."""
+    code = frame.f_code
+    compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    if hasattr(compiled, "co_qualname"):
+        return compiled.replace(co_name=code.co_name, co_qualname=code.co_qualname)
+    return compiled.replace(co_name=code.co_name)
+
+
+def function_module(block, params):
+    """The module the body function is compiled from: one function of `params` (the caller's
+    names bound when the body runs) whose body is the block's statements, returning its locals."""
     statements = block.statements
     line = block.lineno
     loc = dict(lineno=line, col_offset=0, end_lineno=line, end_col_offset=0)
@@ -586,7 +655,8 @@ def build(block, params):
     if "type_params" in _FUNCTION_FIELDS:
         fields["type_params"] = []
     function = ast.FunctionDef(**fields, **loc)
-    return ast.Module(body=[function], type_ignores=[])
+    # (a `build` step's statements may lack locations: they get the with line's)
+    return ast.fix_missing_locations(ast.Module(body=[function], type_ignores=[]))
 
 
 def globalize_reads(tree, block):
@@ -604,10 +674,30 @@ def globalize_reads(tree, block):
     return tree
 
 
-def compile_tree(block, tree):
-    """Compile under the user's filename and future flags; name it after the caller."""
-    code = compile(tree, block.filename, "exec", flags=block.flags, dont_inherit=True)
-    code = next(c for c in code.co_consts if type(c) is types.CodeType)  # the function's code
+def function_of(code, block):
+    """The body function's code in `code`, a module compiled from `function_module`'s tree,
+    carrying the module code's name and filename (what the `compile` step set)."""
+    function = next((c for c in code.co_consts if type(c) is types.CodeType), None)
+    if function is None:
+        raise TypeError(
+            f"{block.filename}:{block.lineno}: the tracer's compile step returned code without the "
+            f"body function in it; return the code that `super().compile(module, frame)` makes for "
+            f"the module it is given (changed as you need)"
+        )
     if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=block.co_qualname)
-    return code
+        function = function.replace(co_name=code.co_name, co_qualname=code.co_qualname)
+    else:
+        function = function.replace(co_name=code.co_name)
+    return _with_filename(function, code.co_filename)
+
+
+def _with_filename(code, filename):
+    if code.co_filename == filename:
+        return code
+    consts = tuple(_with_filename(c, filename) if type(c) is types.CodeType else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def compile_tree(block, tree):
+    """The old shape of the compile step (`compile(block, tree)`): the body function's code."""
+    return function_of(compile_module(tree, block.stand_in_frame()), block)

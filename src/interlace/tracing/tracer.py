@@ -4,11 +4,16 @@
         h = compute().save()      # never runs inline
     print(h)                      # __exit__: backend(tracer) ran the body, pushed `h` back
 
-A subclass customises the small steps `parse` (find the With node), `build` (the AST to
-compile), `compile` (AST -> code) and `execute` (run the code), or passes another `Backend`.
-Subclasses that override parse/build/compile get their own capture cache entries. A backend
-runs the body now (`run_body`, `push_result`) or takes a `DeferredBody` to run later
-(`defer`). docs/tracer.md is the contract for both.
+A subclass customises the steps `parse(source, lineno)` (find the With node), `build(node)`
+(the body as a module), `compile(module, frame)` (module -> code) and `execute(code)` (run the
+body, push the results), or passes another `Backend`. Internally the body becomes a function
+of the caller's bound names (`Block.function_code`), made from what `build` returns and
+compiled by `compile`, so every route (`execute`, `run_body`, deferred bodies, invokes,
+sweeps) runs what the steps made; subclasses that override parse/build/compile get their own
+capture cache entries. Overrides of the old shapes (`parse(lines, site)`, `build(block,
+params)`, `compile(block, tree)`, `execute(block, namespace)`) work for one more release, with
+a DeprecationWarning. A backend runs the body now (`execute`, or `run_body` and `push_result`)
+or takes a `DeferredBody` to run later (`defer`). docs/tracer.md is the contract for both.
 
 `async with Tracer():` works like `with` (in a coroutine): `__aenter__`/`__aexit__` do the
 same work at once and return an awaitable that is already done, so the coroutine never
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 from .. import _native
 from ..errors import InterlaceError
@@ -54,7 +60,18 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 # Compiled code adds a traceback entry named after its source (the hot path's Tap is called
 # inside the model's forward, so a model's own error passes through it).
 _NATIVE_SOURCES = ("csrc/_chotpath.pyx", "csrc/_cframes.pyx")
-_STEPS = ("parse", "build", "compile")
+_STEPS = ("parse", "build", "compile")  # the steps that make the Block's code
+# step -> (how its old shape's parameters are told apart, the new shape): for one release
+_OLD_SHAPES = {
+    "parse": (lambda p: p[:2] == ("lines", "site") or p[1:2] == ("site",),
+              "parse(self, source: str, lineno: int) -> ast.With | ast.AsyncWith | None"),
+    "build": (lambda p: len(p) >= 2 or p[:1] == ("block",),
+              "build(self, node) -> ast.Module (whose body is the block's body statements)"),
+    "compile": (lambda p: p[:1] == ("block",) or p[1:2] == ("tree",),
+                "compile(self, module, frame) -> types.CodeType"),
+    "execute": (lambda p: len(p) >= 2 or p[:1] == ("block",),
+                "execute(self, code) -> None (runs the body, then push_result)"),
+}
 _frames = _native.frames
 # The fields frames.TracerBase keeps (C fields natively): a class attribute of the same name
 # in a subclass would hide the field from Python while C kept using it.
@@ -69,6 +86,8 @@ class Tracer(_frames.TracerBase):
     """
 
     _capture_key = None  # None: the default steps; a subclass overriding them: the class
+    _old_steps = frozenset()  # the steps this class overrides with their old shape
+    _own_execute = False  # overrides `execute` in its new shape (the default backend calls it)
     # Per-run state lives in frames.TracerBase's fields (_FIELDS), None until set: `block`,
     # `backend`, `_frame` (the caller's frame while the trace runs), `_plan` (its SkipPlan; None
     # for pass-only bodies, which run inline), `_parent` (the enclosing trace's state, read at
@@ -80,6 +99,8 @@ class Tracer(_frames.TracerBase):
         _check_fields(cls)
         overrides = any(getattr(cls, name) is not getattr(Tracer, name) for name in _STEPS)
         cls._capture_key = cls if overrides else None
+        cls._old_steps = _old_steps(cls)
+        cls._own_execute = cls.execute is not Tracer.execute and "execute" not in cls._old_steps
         enter = cls.__dict__.get("__enter__")
         if enter is not None and hasattr(enter, "__code__"):
             _frames.look_past(enter.__code__)  # its frame is walked past to find the user's
@@ -189,13 +210,31 @@ class Tracer(_frames.TracerBase):
     def run_body(self, namespace=None) -> dict:
         """Run the body against a copy of the caller's locals (or `namespace`); its final locals.
 
-        Sets this trace's save state itself, so it works from any greenlet or thread.
+        What runs is `body_code(namespace)`, the code the steps made; nothing is pushed (the
+        caller pushes, e.g. after a model ran). Sets this trace's save state itself, so it
+        works from any greenlet or thread.
         """
         token = _enter_body(self._state or self.trace_state())  # also mounts `.save()`
         try:
-            return self.execute(self.block, namespace)
+            if "execute" in self._old_steps:  # deprecated: execute(block, namespace) -> values
+                return self.execute(self.block, namespace)
+            return self._run_code(None, namespace)
         finally:
             _exit_body(token)
+
+    def body_code(self, namespace=None) -> types.CodeType:
+        """The body as the steps compiled it: a function of the caller's names the body uses
+        that are bound now (or those in `namespace`), plus a last hidden parameter; compiled
+        once per set of names. What the default backend hands to `execute`."""
+        block = self.block
+        frame = self._frame
+        names = namespace
+        if names is None:
+            names = self._caller_names()
+        params = tuple(filter(names.__contains__, block.names))
+        if namespace is None:
+            skip.release_locals(frame, names)  # the snapshot would keep the caller's locals alive
+        return block.function_code(params, self, frame=frame)
 
     def defer(self, namespace=None, *, state=None) -> DeferredBody:
         """A handle to run the body later, anywhere: `run()`, `push()`, `locals_at()`,
@@ -237,34 +276,117 @@ class Tracer(_frames.TracerBase):
             frame = sys._getframe(1)
         return blocks.capture(frame, self, self._capture_key)
 
-    def parse(self, lines, site):
-        """The `ast.With` node at `site` in the source `lines`, or None."""
-        return blocks.parse(lines, site)
+    def parse(self, source: str, lineno: int):  # -> ast.With | ast.AsyncWith | None
+        """The `with` / `async with` node that starts on line `lineno` of `source` (the file's
+        line numbers; a line one of its items starts on also finds it), or None."""
+        if type(source) is not str:  # an old-shaped override's super().parse(lines, site)
+            return blocks.parse(source, lineno)
+        return blocks.parse_source(source, lineno)
 
-    def build(self, block, params):
-        """The `ast.Module` to compile: a function of `params` (the caller's bound names the body
-        mentions) whose body is the block's body, returning its locals."""
-        return blocks.build(block, params)
+    def build(self, node, *_old):  # -> ast.Module
+        """The block's body as a module to compile: `node`'s body statements (not the `with`
+        line), missing locations filled in. (`build(block, params)`: the old shape.)"""
+        if _old:  # an old-shaped override's super().build(block, params)
+            return blocks.function_module(node, *_old)
+        return blocks.build_module(node)
 
-    def compile(self, block, tree):
-        """Compile `tree` under the user's filename and the caller's name."""
-        return blocks.compile_tree(block, tree)
+    def compile(self, module, frame) -> types.CodeType:
+        """`module` compiled under `frame`'s filename and future flags, named after `frame`'s
+        function, so tracebacks read as if the body ran where it was written. `exec(code,
+        globals_dict, locals_dict)` runs it. (`compile(block, tree)`: the old shape.)"""
+        if type(module) is Block:  # an old-shaped override's super().compile(block, tree)
+            return blocks.compile_tree(module, frame)
+        return blocks.compile_module(module, frame)
 
-    def execute(self, block, namespace=None) -> dict:
-        """Run the compiled body against a copy of `namespace` (default: the caller's locals)."""
+    def execute(self, code, *_old) -> None:
+        """Run the body `code` (`body_code()`) against a copy of the caller's locals, in this
+        trace's save state, then write its results back with `push_result`.
+        (`execute(block, namespace=None) -> dict`: the old shape.)"""
+        if type(code) is Block:  # an old-shaped override's super().execute(block, namespace)
+            return self._run_code(None, *_old)
+        token = _enter_body(self._state or self.trace_state())  # also mounts `.save()`
+        try:
+            values = self._run_code(code, None)
+        finally:
+            _exit_body(token)
+        self.push_result(values)
+
+    # -- the steps as the internal routes use them ----------------------------------------
+    def _parse_site(self, lines, site):
+        """Capture's `parse`: the default finds the node by the site's line and column."""
+        parse = type(self).parse
+        if parse is _default_parse:
+            return blocks.parse(lines, site)
+        if "parse" in self._old_steps:
+            return self.parse(lines, site)
+        return self.parse("".join(lines), blocks.with_line(lines, site.lineno))
+
+    def _parse_source(self, source, lineno):
+        """A pickled Block's `parse` of its own source slice."""
+        if type(self).parse is _default_parse or "parse" in self._old_steps:
+            return blocks.parse_source(source, lineno)
+        return self.parse(source, lineno)
+
+    def _built_body(self, node):
+        """The statements the body function runs: those of the `build` step's module."""
+        if "build" in self._old_steps:  # the old build makes the function module itself
+            return list(node.body)
+        module = self.build(node)
+        if type(module) is not _ast_module():
+            raise TypeError(
+                f"{type(self).__qualname__}.build returned {type(module).__name__}, not the "
+                f"ast.Module whose body is the block's statements (line {node.lineno})"
+            )
+        return module.body
+
+    def _function_tree(self, block, params):
+        """The module of the body function of `params` (the old build step's, if overridden)."""
+        if "build" in self._old_steps:
+            return self.build(block, params)
+        return blocks.function_module(block, params)
+
+    def _function_code(self, block, tree, frame):
+        """`tree` (`_function_tree`'s) compiled by the `compile` step: the function's code."""
+        if "compile" in self._old_steps:
+            return self.compile(block, tree)
+        code = self.compile(tree, frame if frame is not None else block.stand_in_frame())
+        return blocks.function_of(code, block)
+
+    def _caller_names(self):
+        frame = self._frame
+        if frame is None:
+            block = self.block
+            raise InterlaceError(
+                f"{block.filename}:{block.lineno}: this tracer has no caller to run the body "
+                f"for (a tracer rebuilt from a pickle, or after its with block ended): pass "
+                f"the names the body uses, `run_body(namespace)` or `defer(namespace)`"
+            )
+        return frame.f_locals  # module: its globals; class: its namespace
+
+    def _run_code(self, code, namespace=None) -> dict:
+        """Call the body function `code` (None: `body_code(namespace)`) with its parameters
+        bound from `namespace` (default: the caller's locals now); its final locals."""
+        block = self.block
         frame = self._frame
         snapshot = namespace is None
         if snapshot:
-            namespace = frame.f_locals  # module: its globals; class: its namespace
-        params = tuple([name for name in block.names if name in namespace])
+            namespace = frame.f_locals if frame is not None else self._caller_names()
+        if code is None:
+            params = tuple([name for name in block.names if name in namespace])
+        else:
+            params = code.co_varnames[: code.co_argcount - 1]  # (the last: LOCALS_PARAM)
         if frame is not None:
             globals_ = frame.f_globals
             key = (params, id(globals_))
             function = block.callables.get(key)
-            if function is None:
-                function = block.callables[key] = _make_function(block.function_code(params, self), globals_)
+            if function is None or (code is not None and function.__code__ is not code):
+                if code is None:
+                    code = block.function_code(params, self, frame=frame)
+                function = block.callables[key] = _make_function(code, globals_)
         else:  # a rebuilt (unpickled) tracer: `namespace` is all it has
-            function = _make_function(block.function_code(params, self), dict(namespace))
+            if code is None:
+                code = block.function_code(params, self)
+            function = _make_function(code, dict(namespace))
         arguments = [namespace[name] for name in params]
         if snapshot:
             skip.release_locals(frame, namespace)  # the snapshot would keep the caller's locals alive
@@ -303,6 +425,7 @@ class _Ready:
         yield  # a generator: the await loop gets StopIteration(value) at its first step
 
 
+_default_parse = Tracer.parse
 _DEFAULT_BACKEND = Backend()  # stateless: one instance serves every tracer
 _getframe = sys._getframe
 _blocks_get = BLOCKS.get
@@ -313,6 +436,37 @@ _arm = _frames.arm
 _disarm = _frames.disarm
 _make_function = blocks.make_function
 _LOCALS_PARAM = blocks.LOCALS_PARAM
+
+
+def _ast_module():
+    import ast  # (loaded by the first capture already)
+
+    return ast.Module
+
+
+def _old_steps(cls) -> frozenset:
+    """The steps `cls` runs in their old shape (told from the override's parameters); one
+    DeprecationWarning, at the class statement, for those `cls` itself defines."""
+    old = set()
+    for name, (is_old, _) in _OLD_SHAPES.items():
+        owner = next(k for k in cls.__mro__ if name in k.__dict__)
+        code = getattr(owner.__dict__[name], "__code__", None)
+        if owner is not Tracer and code is not None and is_old(code.co_varnames[1 : code.co_argcount]):
+            old.add(name)
+    mine = [name for name in _OLD_SHAPES if name in old and name in cls.__dict__]
+    if mine:
+        import warnings
+
+        first = cls.__dict__[mine[0]].__code__
+        shapes = "; ".join(_OLD_SHAPES[name][1] for name in mine)
+        warnings.warn(
+            f"{first.co_filename}:{first.co_firstlineno}: {cls.__qualname__} overrides "
+            f"{', '.join(mine)} with the old shape of the Tracer step{'s' if len(mine) > 1 else ''}, "
+            f"which works for one more release. Write {shapes} (docs/tracer.md).",
+            DeprecationWarning,
+            stacklevel=3,  # the class statement (through __init_subclass__)
+        )
+    return frozenset(old)
 
 
 def _check_fields(cls) -> None:
