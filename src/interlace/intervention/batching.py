@@ -186,7 +186,7 @@ def axis_of(tensor, signature, total, dim):
         return dim if rank > dim and shape[dim] == total else SHARED
     learned, from_inputs, learned_total, learned_axis = signature
     if from_inputs:
-        if learned_axis is not None and rank > learned_axis and shape[learned_axis] == total:
+        if learned_axis is not None and learned_axis < rank and shape[learned_axis] == total:
             return learned_axis
         same_rank = rank == len(learned)
         found = [a for a in range(rank)
@@ -249,6 +249,10 @@ def _rows_index(axis, rows):
 
 
 def _narrow_leaf(tensor, axis, rows):
+    if axis == 0:  # the common case first
+        part = tensor[rows]
+        setattr(part, _ORIGIN, (tensor, rows))
+        return part
     if type(axis) is tuple:
         axis = axis[1]
         part = tensor.narrow(axis, rows.start, 1).squeeze(axis)
@@ -272,7 +276,7 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None):
 
     if isinstance(value, torch.Tensor):  # the common case, without the walk
         axis = axis_of(value, layout[0] if layout else None, total, dim)
-        if type(axis) is int and axis >= 0:
+        if axis == 0 or (type(axis) is int and axis > 0):
             return _narrow_leaf(value, axis, rows)
 
     def part(i, tensor):
