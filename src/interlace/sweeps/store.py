@@ -47,11 +47,15 @@ INDEX = "index"
 
 
 def require():
-    """Import `datasets` (and pyarrow) now, or say how to install them."""
+    """Check now that `datasets` is installed (it is imported when the sweep ends: it takes
+    seconds; pyarrow, which writes the shards, is imported now)."""
+    import importlib.util
+
     try:
-        import datasets  # noqa: F401
+        if importlib.util.find_spec("datasets") is None:
+            raise ImportError("datasets")
         import pyarrow  # noqa: F401
-    except ImportError:
+    except (ImportError, ValueError):
         from .executors.ray import MissingExtraError
 
         raise MissingExtraError(
