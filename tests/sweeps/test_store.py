@@ -227,3 +227,31 @@ def test_fifty_thousand_items_keep_memory_flat(tmp_path):
     assert big["peak"] <= 1.25 * small["peak"] + 65536, (small, big)
     assert big["peak"] < 4e6  # a batch's values, not 50 MB of them
     assert big["rss"] - small["rss"] < 16e6, (small, big)
+
+
+@pytest.mark.slow
+def test_ray_workers_write_their_own_shards(model, tmp_path):
+    ray = pytest.importorskip("ray", reason="executor='ray' needs ray: pip install 'interlace[ray]'")
+    ids = torch.randint(0, 1000, (10, 8), generator=torch.Generator().manual_seed(7))
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        with torch.no_grad(), model.sweep(range(10), input=lambda i: ids[i:i + 1], batch_size=2,
+                                          executor="ray", workers=2, progress=False,
+                                          save_to=tmp_path / "ray") as sweep:
+            h = model.transformer.h[1].output[:, -1].save()
+    finally:
+        ray.shutdown()
+    manifests = sorted(p.name for p in (tmp_path / "ray").glob("interlace-manifest-*"))
+    assert len(manifests) == 2 and all("-w" in m for m in manifests)  # one per worker
+    ref = _sweep_last(model, ids)
+    assert len(h) == 10 and all(torch.equal(a, b) for a, b in zip(h, ref))
+    table = datasets.load_from_disk(str(tmp_path / "ray"))
+    assert sorted(table["index"]) == list(range(10))
+
+
+def _sweep_last(model, ids):
+    out = []
+    for i in range(len(ids)):
+        with torch.no_grad(), model.trace(ids[i:i + 1]):
+            out.append(model.transformer.h[1].output[:, -1].save())
+    return out
