@@ -91,13 +91,14 @@ def _feed(h, value, depth):
     if depth > 8:
         h.update(b"deep")
         return
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+    if value is None or type(value) in _SCALARS:
         h.update(f"{type(value).__name__}:{value!r};".encode())
     elif isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        h.update(f"tensor:{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        if tensor.layout == torch.strided and tensor.device.type != "meta":
-            h.update(_raw(tensor).tobytes())
+        h.update(f"tensor:{value.dtype}:{tuple(value.shape)};".encode())
+        if value.layout == torch.strided and not value.is_meta:
+            h.update(_raw(value.detach()))
+    elif isinstance(value, (bool, int, float, complex, str, bytes)):  # subclasses (enums...)
+        h.update(f"{type(value).__name__}:{value!r};".encode())
     elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
         h.update(f"numpy:{value.dtype}:{getattr(value, 'shape', ())};".encode())
         h.update(value.tobytes())
@@ -125,6 +126,9 @@ def _feed(h, value, depth):
         h.update(f"object:{type(value).__module__}.{type(value).__qualname__};".encode())
 
 
+_SCALARS = frozenset((bool, int, float, complex, str, bytes))
+
+
 def _feed_code(h, code, depth):
     h.update(code.co_code)
     h.update(repr(code.co_names).encode())
@@ -133,8 +137,11 @@ def _feed_code(h, code, depth):
 
 
 def _raw(tensor):
-    """A tensor's elements as a numpy array (bfloat16 as its raw uint16 bits)."""
-    tensor = tensor.cpu().contiguous()
+    """A tensor's elements as a contiguous numpy array (bfloat16 as its raw uint16 bits)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view("uint16")
     return tensor.numpy()
@@ -163,10 +170,14 @@ def model_header(model):
 
 
 def make_header(tracer, job):
+    import ast
+
     block = tracer.block
+    assigned = set(block.assigned_names)  # what it assigns (its saved names) is not an input
     names = {name: digest(value) for name, value in sorted(job.namespace.items())
-             if not _is_sweep(value)}
-    source = "".join(block.source_lines) if block is not None else ""
+             if name not in assigned and not _is_sweep(value)}
+    # the body's syntax tree without positions: the same body moved or re-indented is the same
+    source = ast.dump(ast.Module(body=list(block.statements or ()), type_ignores=[]))
     shared = job.input is not None and not is_callable_input(job.input)
     return {
         "format": FORMAT,
@@ -187,9 +198,12 @@ def is_callable_input(source):
     return callable(source) and not isinstance(source, torch.nn.Module)
 
 
-def item_digest(job, entry):
-    """An item's hash: the item, and its inputs when `input=` makes them from it."""
-    if job.input is not None and is_callable_input(job.input):
+def item_digest(job, entry, per_item=None):
+    """An item's hash: the item, and its inputs when `input=` makes them from it
+    (`per_item`: whether it does, when the caller knows)."""
+    if per_item is None:
+        per_item = job.input is not None and is_callable_input(job.input)
+    if per_item:
         return digest((entry.item, entry.args, entry.kwargs))
     return digest(entry.item)
 
@@ -263,6 +277,7 @@ class Store:
         self.writer = None
         self.nbytes = 0  # written by this sweep (the progress bar's MB/s)
         self.flush_rows = 1
+        self.per_item = None  # does input= make each item's inputs (see item_digest)
 
     def __getstate__(self):
         return {"path": self.path, "run": self.run, "saved": self.saved,
@@ -274,13 +289,16 @@ class Store:
         self.writer = None
         self.nbytes = 0
         self.flush_rows = 1
+        self.per_item = None
 
     def skips(self, job, entry):
         """Is `entry` finished on disk (skip it)? Refuses an item that differs from the one there."""
         done = self.finished.get(entry.index)
         if done is None:
             return False
-        if done != item_digest(job, entry):
+        if self.per_item is None:
+            self.per_item = job.input is not None and is_callable_input(job.input)
+        if done != item_digest(job, entry, self.per_item):
             text = repr(entry.item)
             raise InterlaceError(
                 f"save_to={self.path!r} holds a finished item {entry.index} that differs from "
@@ -322,12 +340,16 @@ def _clear(path):
             os.remove(file)
 
 
-def _write_json(path, value):
+def _write_json(path, value, sync=True):
+    """Replace `path` at once (a reader sees the old file or the new one); `sync`: durably
+    (the header: without it the folder is not a sweep's), else the metadata a sweep's end
+    writes again."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -373,9 +395,11 @@ class Sink:
         self.rows = []
         self.count = 0
         self.flush_rows = 1  # rows buffered before a shard is written (about a batch)
+        self.per_item = job.input is not None and is_callable_input(job.input)
 
     def add(self, entry, values):
-        self.rows.append((entry.index, entry.item, item_digest(self.job, entry), values))
+        self.rows.append((entry.index, entry.item, item_digest(self.job, entry, self.per_item),
+                          values))
         if len(self.rows) >= self.flush_rows:
             return self.flush()
         return 0
@@ -403,10 +427,10 @@ class Sink:
         line = json.dumps({"shard": shard, "items": [[r[0], r[2]] for r in rows],
                            "bytes": nbytes, "columns": kinds,
                            "fields": self.header["fields"]}) + "\n"
+        # not synced: a line lost to a power cut only makes its items run again (the shard it
+        # names was synced before the line was written, so a line never names a partial shard)
         with open(os.path.join(self.path, f"{MANIFEST}{self.name}.jsonl"), "a") as f:
             f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
         return nbytes
 
     def encode(self, rows):
@@ -454,8 +478,10 @@ class Sink:
         kind = self.columns.get(column)
         if what == "item field":  # the user's items: what cannot be stored is kept as text
             values = [v if v is None or kind_of(v) is not None else repr(v) for v in values]
+        fast = (_DTYPES[kind["dtype"]], kind["ndim"]) if kind and kind["kind"] == "tensor" else None
         for value, row in zip(values, rows):
-            if value is None:
+            if value is None or (fast is not None and type(value) is torch.Tensor
+                                 and value.dtype is fast[0] and value.dim() == fast[1]):
                 continue
             found = kind_of(value)
             if found is None or kind is not None and not _compatible(kind, found):
@@ -536,14 +562,25 @@ def encode(values, kind):
     mask = np.array([v is None for v in values])
     ndim = kind["ndim"]
     storage = np.dtype(_NUMPY[_DTYPES[kind["dtype"]]])
-    parts = [_raw(v).reshape(-1) for v in values if v is not None]
-    flat = np.concatenate(parts) if parts else np.empty(0, storage)
+    parts = [v.detach().reshape(-1) for v in values if v is not None]
+    flat = _raw(torch.cat(parts).cpu()) if parts else np.empty(0, storage)
     if ndim == 0:
         full = np.zeros(len(values), storage)
         full[~mask] = flat
         return pa.array(full, mask=mask if mask.any() else None)
     array = pa.array(flat)
     shapes = [None if v is None else tuple(v.shape) for v in values]
+    if not mask.any() and len(set(shapes)) == 1:  # one shape (the usual case): regular offsets
+        shape = (len(values),) + shapes[0]
+        for level in reversed(range(1, ndim + 1)):
+            count = int(np.prod(shape[:level]))
+            if count * shape[level] >= 2 ** 31:
+                break
+            array = pa.ListArray.from_arrays(
+                pa.array(np.arange(count + 1, dtype=np.int32) * shape[level]), array)
+        else:
+            return array
+        array = pa.array(flat)
     for level in reversed(range(ndim)):
         counts = []
         for shape in shapes:
@@ -603,7 +640,7 @@ def finalize(path, header):
             )
         final = wanted
     header_path = os.path.join(path, HEADER)
-    _write_json(header_path, header)
+    _write_json(header_path, header, sync=False)
     state = {"_data_files": [{"filename": shard} for shard, _ in schemas],
              "_fingerprint": hashlib.blake2b(
                  "".join(s for s, _ in schemas).encode(), digest_size=8).hexdigest(),
@@ -619,8 +656,8 @@ def finalize(path, header):
     info = {"citation": "", "homepage": "", "license": "", "features": features.to_dict(),
             "description": "interlace sweep: tensor dtypes (bfloat16 stored as uint16 bits) "
                            f"in {HEADER}; read it back with interlace.open_sweep(path)"}
-    _write_json(os.path.join(path, "dataset_info.json"), info)
-    _write_json(os.path.join(path, "state.json"), state)
+    _write_json(os.path.join(path, "dataset_info.json"), info, sync=False)
+    _write_json(os.path.join(path, "state.json"), state, sync=False)
 
 
 def _schema(file):
