@@ -111,7 +111,9 @@ class Model(Envoy):
         model's return value; after the block each saved name is a list of its values in
         item order (`sweep.results` maps name -> list). `input=None`: each item is the
         input; a callable: `input(item)`; anything else: one input shared by every item.
-        Other keywords go to the forward. See docs/sweeps.md.
+        Other keywords go to the forward. `save_to=path` writes the saved values to a
+        `datasets` folder batch by batch and resumes there after a crash (`overwrite=True`
+        starts over). See docs/sweeps.md and docs/datasets.md.
         """
         from ..sweeps import SweepTracer
 

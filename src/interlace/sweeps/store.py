@@ -33,6 +33,7 @@ import os
 import time
 import types
 import uuid
+from collections.abc import Mapping
 
 import torch
 
@@ -107,8 +108,8 @@ def _feed(h, value, depth):
         for v in (sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value):
             _feed(h, v, depth + 1)
         h.update(b"]")
-    elif type(value) is dict:
-        h.update(f"dict:{len(value)}{{".encode())
+    elif isinstance(value, Mapping):  # dicts, a tokenizer's BatchEncoding
+        h.update(f"{type(value).__name__}:{len(value)}{{".encode())
         for k, v in value.items():
             _feed(h, k, depth + 1)
             _feed(h, v, depth + 1)
