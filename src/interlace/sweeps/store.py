@@ -265,16 +265,14 @@ class Store:
         elif any(not name.startswith(".") for name in os.listdir(self.path)):
             raise InterlaceError(
                 f"save_to={self.path!r} exists and is not an interlace sweep folder (it has no "
-                f"{HEADER}); choose a new or empty folder, or pass overwrite=True to clear it"
+                f"{HEADER}); choose a new or empty folder, or pass overwrite=True to write there "
+                f"anyway"
             )
         self.header = header
         self.header.setdefault("columns", {})
         self.header.setdefault("fields", None)
         _write_json(header_path, self.header)
-        self.finished = {}  # index -> item hash, of every item on disk
-        for entry in read_manifests(self.path, clean=True):
-            for index, item_hash in entry["items"]:
-                self.finished[index] = item_hash
+        self.finished = Finished(read_manifests(self.path, clean=True))
         self.writer = None
         self.nbytes = 0  # written by this sweep (the progress bar's MB/s)
         self.flush_rows = 1
@@ -286,7 +284,7 @@ class Store:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.finished = {}
+        self.finished = Finished(())
         self.writer = None
         self.nbytes = 0
         self.flush_rows = 1
@@ -332,6 +330,35 @@ class Store:
         """Write the `datasets` metadata for every shard on disk; the reader of the folder."""
         finalize(self.path, self.header)
         return StoredResults(self.path)
+
+
+class Finished:
+    """The items on disk: index -> item hash, in two arrays (24 bytes an item, not a dict's
+    ~150: a resumed sweep of millions of items stays small)."""
+
+    def __init__(self, manifests):
+        import array
+
+        import numpy as np
+
+        indexes, hashes = array.array("q"), bytearray()
+        for entry in manifests:
+            for index, item_hash in entry["items"]:
+                indexes.append(index)
+                hashes += bytes.fromhex(item_hash)
+        order = np.argsort(np.frombuffer(indexes, np.int64), kind="stable")
+        self.indexes = np.frombuffer(indexes, np.int64)[order]
+        self.hashes = np.frombuffer(bytes(hashes), "S16")[order] if indexes else np.zeros(0, "S16")
+
+    def get(self, index):
+        """The hex hash of item `index` on disk, or None."""
+        at = int(self.indexes.searchsorted(index))
+        if at < len(self.indexes) and self.indexes[at] == index:
+            return self.hashes[at].ljust(16, b"\0").hex()
+        return None
+
+    def __len__(self):
+        return len(self.indexes)
 
 
 def _clear(path):
