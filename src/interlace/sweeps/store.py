@@ -799,11 +799,6 @@ class _Sequence:
         for position in range(len(self)):
             yield self.get(position)
 
-    def __eq__(self, other):
-        return list(self) == list(other) if isinstance(other, (list, _Sequence)) else NotImplemented
-
-    __hash__ = None
-
 
 class StoredColumn(_Sequence):
     """One saved name's values, read from the files on access."""
