@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "setuptools>=77" "Cython>=3.0" wheel
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare,ray,pandas]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare,ray,pandas,datasets]"
 	touch $(STAMP)
 
 build: $(STAMP)

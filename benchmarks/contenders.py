@@ -24,6 +24,8 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import os
+import shutil
 import warnings
 
 import torch
@@ -61,6 +63,7 @@ class Contender:
     def fixed(self, s): return None
     def wrapped(self, s): return None
     def noop_tracer(self, s): return None
+    def collect(self, s, items): return None
 
 
 class Raw(Contender):
@@ -169,6 +172,29 @@ class Hooks(Contender):
             self._run(module, [(module, lambda m, a, o: out.append(o))], lambda: module(x))
             return out[0]
         return run
+
+
+    def collect(self, s, items):
+        from . import bench_datasets as D
+
+        module, layers, folder = s.module, list(s.layers()), _folder()
+        ids = D.windows(s.shape.vocab, items, s.shape.tokens).to(s.device)
+
+        def run():
+            shutil.rmtree(folder, ignore_errors=True)
+            D.hooks_loop(module, [layers[0], layers[-1]], ids, folder)
+            return D.last_row(folder)
+        return run
+
+
+def _folder():
+    """A folder for a `collect` run's files, removed when the process exits."""
+    import atexit
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="bench-collect-")
+    atexit.register(shutil.rmtree, root, True)
+    return os.path.join(root, "data")
 
 
 class Interlace(Contender):
@@ -293,6 +319,21 @@ class Interlace(Contender):
             for _ in range(ENTRIES):
                 with Tracer(backend=nothing):
                     x = 1  # noqa: F841
+        return run
+
+    def collect(self, s, items):
+        if importlib.util.find_spec("datasets") is None:
+            return None  # save_to= needs the extra: pip install 'interlace[datasets]'
+        from . import bench_datasets as D
+
+        model, folder = self.model(s), _folder()
+        layers = s.layers(model)
+        first, last = layers[0], layers[len(s.layers()) - 1]
+        ids = D.windows(s.shape.vocab, items, s.shape.tokens).to(s.device)
+
+        def run():
+            D.sweep(model, first, last, ids, folder)
+            return D.last_row(folder)
         return run
 
 

@@ -13,6 +13,7 @@ run in fresh processes or measure memory instead (`import`, `cold_start`, `peak_
   fixed        the fixed cost of one trace: a 2x2 Linear, save its output
   wrapped      the wrapped model called outside a trace, against the bare module
   tracer       a warm `interlace.Tracer` with a do-nothing backend, against `nullcontext`
+  datasets     activation collection to disk: model.sweep(save_to=) against a hooks loop
   peak_memory  bytes a save-every-layer trace needs above what was in use, against a forward
   cold_start   fresh process: import the library, wrap, first trace, first trace at a new site
   import       `import <library>` in a fresh interpreter, against an empty interpreter
@@ -78,6 +79,7 @@ def _slope_cases(o):
 
 
 INVOKES = (1, 2, 4, 8, 16, 32)
+COLLECT = 1024  # windows per `collect` call (issue 22)
 NEW_TOKENS = 16
 
 WORKLOADS = {
@@ -104,6 +106,13 @@ WORKLOADS = {
         Workload("tracer", f"Warm Tracer, do-nothing backend, per entry (floor: nullcontext; {ENTRIES} entries a call)",
                  lambda o: [Case("tiny body", "noop_tracer", "linear", floor="raw", per_call=ENTRIES)],
                  goal="native path ≤ 2x nullcontext (the twin is reported, not held to it)"),
+        Workload("datasets", f"Activation collection to disk: {COLLECT} windows, the first and last "
+                             f"layers' outputs written as Arrow files (us per row; floor: a hand-"
+                             f"written hooks loop writing the same files, bench_datasets.py; issue "
+                             f"22's goal: within 1.2x of it)",
+                 lambda o: [Case(pick(o, "tiny"), "collect", pick(o, "tiny"), (COLLECT,),
+                                 per_call=COLLECT)],
+                 rounds=0.1),
         Workload("peak_memory", "Peak tensor memory of saving every layer, above a raw forward's",
                  lambda o: [Case(pick(o, "gpt2-small"), "save_all", pick(o, "gpt2-small"), floor="raw")]),
         Workload("cold_start", "Cold start in a fresh process (ms)", None),

@@ -31,6 +31,7 @@ _LAZY = {
     "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
     "TransformersModel": ("interlace.models.language_model", "TransformersModel"),
     "Inputs": ("interlace.sweeps.inputs", "Inputs"),
+    "open_sweep": ("interlace.sweeps.store", "open_sweep"),
 }
 
 __all__ = [

@@ -131,7 +131,7 @@ class LanguageModel(Model):
         return LanguageTracer(self, args, prompt, run=_Generation(module, rest))
 
     def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
-              workers=None, generate=False, **kwargs):
+              workers=None, generate=False, save_to=None, overwrite=False, **kwargs):
         """`with model.sweep(items, input=prompt) as sweep:` - the body runs once per item.
 
         As `Model.sweep`; a batch only holds prompts of one length (no item is padded for
@@ -161,7 +161,7 @@ class LanguageModel(Model):
             run = _Forward(module, kwargs) if kwargs else None
         return SweepTracer(self, items, input, batch_size=batch_size, progress=progress,
                            executor=executor, workers=workers, generate=generate, run=run,
-                           eos=eos)
+                           eos=eos, save_to=save_to, overwrite=overwrite)
 
     # --- inputs: what the engine's batching (inputs.PromptBatcher) does ------------------
 

@@ -104,14 +104,16 @@ class Model(Envoy):
         return ScanTracer.of(self.trace(*args, **kwargs))
 
     def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
-              workers=None, generate=False, **kwargs):
+              workers=None, generate=False, save_to=None, overwrite=False, **kwargs):
         """`with model.sweep(items, input=x) as sweep:` - the body runs once per item, batched.
 
         Inside the body `sweep.item` is the current item and `sweep.output` its part of the
         model's return value; after the block each saved name is a list of its values in
         item order (`sweep.results` maps name -> list). `input=None`: each item is the
         input; a callable: `input(item)`; anything else: one input shared by every item.
-        Other keywords go to the forward. See docs/sweeps.md.
+        Other keywords go to the forward. `save_to=path` writes the saved values to a
+        `datasets` folder batch by batch and resumes there after a crash (`overwrite=True`
+        starts over). See docs/sweeps.md and docs/datasets.md.
         """
         from ..sweeps import SweepTracer
 
@@ -121,7 +123,8 @@ class Model(Envoy):
                 "interlace.LanguageModel to sweep generations"
             )
         return SweepTracer(self, items, input, batch_size=batch_size, progress=progress,
-                           executor=executor, workers=workers, kwargs=kwargs)
+                           executor=executor, workers=workers, save_to=save_to,
+                           overwrite=overwrite, kwargs=kwargs)
 
     def edit(self, *, inplace=False, backend=None):
         """`with model.edit() as edited:` - record interventions every later run of `edited` makes.

@@ -85,7 +85,7 @@ class SweepResults(Mapping):
             ) from None
         rows = []
         for position, item in enumerate(self.finished):
-            row = _fields(item, item_names)
+            row = item_fields(item, item_names)
             fields = tuple(row)
             for name, column in self._columns.items():
                 row[_column_name(name, fields, self._columns)] = _cell(column[position])
@@ -110,7 +110,8 @@ def _column_name(name, fields, saved):
     return column
 
 
-def _fields(item, names):
+def item_fields(item, names=None):
+    """An item's fields as columns: name -> value (see `to_pandas`)."""
     if isinstance(item, Mapping):
         return {str(k): _cell(v) for k, v in item.items()}
     if hasattr(item, "_fields"):

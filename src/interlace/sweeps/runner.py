@@ -56,7 +56,7 @@ class Job:
     """
 
     def __init__(self, tracer, namespace, input=None, kwargs=None, run=None, backward=False,
-                 generate=False, eos=()):
+                 generate=False, eos=(), store=None):
         self.tracer = tracer
         self.namespace = namespace
         self.input = input
@@ -65,6 +65,7 @@ class Job:
         self.backward = backward
         self.generate = generate
         self.eos = tuple(eos)
+        self.store = store  # with save_to=: the folder (store.py)
 
     def entry(self, model, index, item, keys=None):
         """The item with its inputs and batch key (`keys` caches keys by input identity)."""
@@ -303,7 +304,12 @@ class Runner:
 
 
 class InOrder:
-    """Hands finished items to `commit(item, values)` in item order (batches finish in any)."""
+    """Hands finished items to `commit(entry, values)` in item order (batches finish in any).
+
+    `skip(index)`: an item finished by an earlier run of the sweep (`save_to=`), not run again.
+    """
+
+    _SKIPPED = object()
 
     def __init__(self, commit, start=0):
         self.commit = commit
@@ -313,10 +319,18 @@ class InOrder:
     def __call__(self, entry, values):
         if entry.index < self.next or entry.index in self.waiting:
             return  # finished already (a retried batch): recorded once
-        self.waiting[entry.index] = (entry.item, values)
+        self.waiting[entry.index] = (entry, values)
+        self._advance()
+
+    def skip(self, index):
+        self.waiting[index] = self._SKIPPED
+        self._advance()
+
+    def _advance(self):
         while self.next in self.waiting:
-            item, values = self.waiting.pop(self.next)
-            self.commit(item, values)
+            waiting = self.waiting.pop(self.next)
+            if waiting is not self._SKIPPED:
+                self.commit(*waiting)
             self.next += 1
 
     def has(self, index):

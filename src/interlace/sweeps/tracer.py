@@ -12,6 +12,8 @@ The rule every path is tested against: an item behaves as if it ran alone in its
 
 from __future__ import annotations
 
+import os
+
 from ..errors import InterlaceError
 from ..intervention.cache import make_cache
 from ..intervention.envoy import engine_of
@@ -30,8 +32,8 @@ class SweepTracer(IterMixin, Tracer):
     """What `model.sweep(...)` returns; see the module docstring and docs/sweeps.md."""
 
     def __init__(self, model, items, input=None, *, batch_size=None, progress=True,
-                 executor="local", workers=None, generate=False, run=None, kwargs=None,
-                 eos=()):
+                 executor="local", workers=None, generate=False, save_to=None,
+                 overwrite=False, run=None, kwargs=None, eos=()):
         super().__init__(backend=_SWEEP)
         if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
             raise InterlaceError(
@@ -50,6 +52,17 @@ class SweepTracer(IterMixin, Tracer):
         self.executor = executors.get(executor)
         self.workers = workers
         self.generate = generate
+        if save_to is not None:
+            if not isinstance(save_to, (str, os.PathLike)):
+                raise InterlaceError(
+                    f"save_to= takes a folder path (a str or os.PathLike), got "
+                    f"{type(save_to).__name__}"
+                )
+            from .store import require
+
+            require()  # now, before the body is skipped
+        self.save_to = save_to
+        self.overwrite = bool(overwrite)
         self.results = SweepResults()
         self.chosen_batch_size = None  # the batch size the sweep ran with (set when it runs)
         self._run = run
@@ -164,7 +177,7 @@ class SweepTracer(IterMixin, Tracer):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(model=None, items=None, input=None, executor=None, results=None,
-                     _run=None, _job=None)
+                     _run=None, _job=None, save_to=None)
         return state
 
     def __repr__(self):
@@ -180,12 +193,20 @@ class _SweepBackend(Backend):
         )
         job.eos = tracer._eos
         tracer._job = job
-        tracer.results.declare(saved_names(tracer.block))  # bound with zero items too
+        names = saved_names(tracer.block)
+        tracer.results.declare(names)  # bound with zero items too
+        if tracer.save_to is not None:  # refused here if the folder holds another sweep
+            from .store import Store, make_header
+
+            job.store = Store(tracer.save_to, make_header(tracer, job), names, tracer.overwrite)
         with own_state(tracer) as state:
             try:
                 tracer.executor.run(tracer, job)
             finally:
                 tracer._job = None
+                if job.store is not None:  # what finished is on disk, read back from there
+                    job.store.flush()
+                    tracer.results = job.store.close()
         values = dict(tracer.results)
         saved = state.saved  # nested in a trace: the lists travel on out
         for value in values.values():

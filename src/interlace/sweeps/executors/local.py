@@ -11,6 +11,7 @@ before it, in order.
 from __future__ import annotations
 
 import itertools
+import time
 
 from ..runner import WINDOW, InOrder, Runner, choose_batch_size
 
@@ -20,25 +21,21 @@ SAMPLE = 64  # items looked at to choose the automatic batch size
 def run(sweep, job):
     model = sweep.model
     total = length_of(sweep.items)
-    entries = entries_of(sweep, job)
-    size = sweep.batch_size
-    if size is None:
-        head, error = take(entries, SAMPLE)
-        size = choose_batch_size(model, job, head, total)
-        entries = itertools.chain(head, _raise(error) if error is not None else entries)
-    runner = Runner(model, job, size)
-    sweep.chosen_batch_size = size
     bar = progress_bar(sweep, total)
-    results = sweep.results
-
-    def commit(item, values):
-        results.add(item, values)
-        if bar is not None:
-            bar.update(1)
-
-    done = InOrder(commit)
+    runner = None
     try:
+        done = committer(sweep, job, bar)
+        entries = entries_of(sweep, job, done)
+        size = sweep.batch_size
+        if size is None:
+            head, error = take(entries, SAMPLE)
+            size = choose_batch_size(model, job, head, total)
+            entries = itertools.chain(head, _raise(error) if error is not None else entries)
+        runner = Runner(model, job, size)
+        sweep.chosen_batch_size = size
         while True:
+            if job.store is not None:
+                job.store.flush_rows = runner.size  # a shard per batch, about
             window, error = take(entries, runner.size * WINDOW)
             if window:
                 runner.run_window(window, done)
@@ -49,17 +46,60 @@ def run(sweep, job):
     finally:
         if bar is not None:
             bar.close()
-        sweep.chosen_batch_size = runner.size
+        if runner is not None:
+            sweep.chosen_batch_size = runner.size
 
 
-def entries_of(sweep, job):
-    """The sweep's items as runner Entries, made lazily (an input error stops the stream)."""
+def entries_of(sweep, job, done):
+    """The sweep's items as runner Entries, made lazily (an input error stops the stream).
+
+    With `save_to=`, an item an earlier run finished is checked against the one on disk and
+    handed to `done.skip` instead (its body does not run again).
+    """
     keys = {}
     model = sweep.model
+    store = job.store
     for index, item in enumerate(sweep.items):
         if len(keys) > 1024:
             keys.clear()
-        yield job.entry(model, index, item, keys)
+        entry = job.entry(model, index, item, keys)
+        if store is not None and store.skips(job, entry):
+            done.skip(index)
+            continue
+        yield entry
+
+
+def committer(sweep, job, bar):
+    """What finished items go through, in item order: `sweep.results` (or the `save_to=`
+    folder), and the progress bar (with `save_to=`: MB/s written, besides rows/s)."""
+    results = sweep.results
+    store = job.store
+    start = time.perf_counter()
+    last = [start]
+
+    def commit(entry, values):
+        if store is None:
+            results.add(entry.item, values)
+        else:
+            store.commit(job, entry, values)
+        if bar is not None:
+            bar.update(1)
+            now = time.perf_counter()
+            if store is not None and now - last[0] > 0.5:
+                last[0] = now
+                bar.set_postfix_str(f"{store.nbytes / 1e6 / (now - start):.1f} MB/s",
+                                    refresh=False)
+
+    done = InOrder(commit)
+    if bar is not None and store is not None:
+        skip = done.skip
+
+        def skipping(index):  # finished by an earlier run: counted, not timed
+            skip(index)
+            bar.update(1)
+
+        done.skip = skipping
+    return done
 
 
 def take(entries, n):
@@ -93,4 +133,5 @@ def progress_bar(sweep, total):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="item", desc="sweep", dynamic_ncols=True)
+    unit = "item" if getattr(sweep, "save_to", None) is None else "row"
+    return tqdm(total=total, unit=unit, desc="sweep", dynamic_ncols=True)

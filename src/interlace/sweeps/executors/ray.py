@@ -40,7 +40,7 @@ from ...errors import InterlaceError
 from ...intervention.edit import edits_of
 from ...intervention.envoy import child_of, engine_of, module_of
 from ...models.fingerprint import fingerprint
-from ..runner import WINDOW, InOrder, Runner, plan_batches
+from ..runner import WINDOW, Runner, plan_batches
 
 INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
 
@@ -70,7 +70,7 @@ def run(sweep, job):
 def _run(sweep, job):
     import ray
 
-    from .local import entries_of, length_of, progress_bar, take
+    from .local import committer, entries_of, length_of, progress_bar, take
 
     if not ray.is_initialized():
         ray.init()
@@ -85,16 +85,9 @@ def _run(sweep, job):
         ray.get([a.load.remote(payload, recipe) for a in actors])
     total = length_of(sweep.items)
     bar = progress_bar(sweep, total)
-    results = sweep.results
-
-    def commit(item, values):
-        results.add(item, values)
-        if bar is not None:
-            bar.update(1)
-
-    done = InOrder(commit)
+    done = committer(sweep, job, bar)
     shared = job.input is not None and not _is_callable_input(job.input)
-    entries = entries_of(sweep, job)
+    entries = entries_of(sweep, job, done)
     try:
         size = sweep.batch_size
         if size is None:
@@ -336,7 +329,7 @@ def _dump_body(sweep, job):
         if name not in values and name in frame_globals:
             values[name] = frame_globals[name]
     settings = dict(input=job.input, kwargs=job.kwargs, run=getattr(job.run, "inner", job.run),
-                    backward=job.backward, generate=job.generate, eos=job.eos)
+                    backward=job.backward, generate=job.generate, eos=job.eos, store=job.store)
     edits = edits_of(sweep.model)  # the wrapper's `model.edit()` blocks: workers replay them too
     return _BodyPickler(sweep.model).dumps((tracer, values, settings, _modes(), edits))
 
@@ -462,13 +455,15 @@ class _Worker:
         tracer._run = settings["run"]  # (sweep.cache() reads it: per-step lists when generating)
         self.job = Job(tracer, namespace, **settings)
         self.shared = settings["input"]
+        store = settings["store"]  # save_to=: this worker writes shards of its own
+        self.sink = None if store is None else store.sink(self.job, f"w{self.number}")
         self.modes = modes
 
     def unload(self):
         """The sweep is over: drop its body, variables and edits (the replica stays)."""
         from ...intervention.edit import set_edits
 
-        self.job = self.shared = self.modes = None
+        self.job = self.shared = self.modes = self.sink = None
         set_edits(self.model, ())
 
     def _entries(self, entries):
@@ -490,12 +485,17 @@ class _Worker:
         import torch
 
         from ..results import to_cpu
+        from ..store import Stored
 
         finished = []
         on_gpu = torch.cuda.is_available()
+        sink = self.sink
 
         class Collect:
             def __call__(self, entry, values):
+                if sink is not None:  # written here, with the batch (below); the driver counts
+                    sink.add(entry, values)
+                    values = Stored(0)
                 # a worker's GPU is not the driver's: results travel back on the CPU
                 finished.append((entry.index, to_cpu(values) if on_gpu else values))
 
@@ -503,9 +503,15 @@ class _Worker:
                 return any(i == index for i, _ in finished)
 
         runner = Runner(self.model, self.job, size)
+        if sink is not None:
+            sink.flush_rows = float("inf")
         try:
             with _Modes(self.modes):
-                runner.run_window(self._entries(entries), Collect())
+                try:
+                    runner.run_window(self._entries(entries), Collect())
+                finally:
+                    if sink is not None and finished:
+                        finished[-1] = (finished[-1][0], Stored(sink.flush()))
         except Exception as error:  # sent back: the driver finishes the items before it
             error.__traceback__ = None
             return finished, error, self.number, runner.size
