@@ -230,17 +230,12 @@ def test_fifty_thousand_items_keep_memory_flat(tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_workers_write_their_own_shards(model, tmp_path):
-    ray = pytest.importorskip("ray", reason="executor='ray' needs ray: pip install 'interlace[ray]'")
+def test_ray_workers_write_their_own_shards(ray_cluster, model, tmp_path):
     ids = torch.randint(0, 1000, (10, 8), generator=torch.Generator().manual_seed(7))
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        with torch.no_grad(), model.sweep(range(10), input=lambda i: ids[i:i + 1], batch_size=2,
-                                          executor="ray", workers=2, progress=False,
-                                          save_to=tmp_path / "ray") as sweep:
-            h = model.transformer.h[1].output[:, -1].save()
-    finally:
-        ray.shutdown()
+    with torch.no_grad(), model.sweep(range(10), input=lambda i: ids[i:i + 1], batch_size=2,
+                                      executor="ray", workers=2, progress=False,
+                                      save_to=tmp_path / "ray") as sweep:
+        h = model.transformer.h[1].output[:, -1].save()
     manifests = sorted(p.name for p in (tmp_path / "ray").glob("interlace-manifest-*"))
     assert len(manifests) == 2 and all("-w" in m for m in manifests)  # one per worker
     ref = _sweep_last(model, ids)
