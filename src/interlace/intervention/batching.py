@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InterlaceError
-
-
-class BatchingError(InterlaceError, ValueError):
-    """The inputs of several invokes cannot be combined into one batch."""
+from ..errors import BatchingError  # re-exported: its home is interlace.errors
 
 
 @dataclass

@@ -36,17 +36,13 @@ import pickle
 import sys
 import weakref
 
-from ...errors import InterlaceError
+from ...errors import MissingExtraError  # re-exported: its home is interlace.errors
 from ...intervention.edit import edits_of
 from ...intervention.envoy import child_of, engine_of, module_of
 from ...models.fingerprint import fingerprint
 from ..runner import WINDOW, InOrder, Runner, plan_batches
 
 INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
-
-
-class MissingExtraError(InterlaceError, ImportError):
-    """An optional dependency a feature needs is not installed."""
 
 
 def require():
