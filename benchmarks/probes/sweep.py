@@ -1,10 +1,10 @@
 """Sweeps: activation patching of every (layer, position), four ways, ratios in one run.
 
-    python benchmarks/bench_sweep.py                         # tiny and 4-layer GPT-2, CPU, ~1 min
-    python benchmarks/bench_sweep.py --shapes gpt2-small     # the 12-layer GPT-2-small shape (slow on CPU)
-    python benchmarks/bench_sweep.py --device cuda           # bf16 on a GPU, GPT-2-small, 32 tokens
-    python benchmarks/bench_sweep.py --dataset --generate    # + 1,000 prompts, + a generation sweep
-    python benchmarks/bench_sweep.py --ray                   # + the patching sweep on 2 Ray workers
+    python benchmarks/probes/sweep.py                         # tiny and 4-layer GPT-2, CPU, ~1 min
+    python benchmarks/probes/sweep.py --shapes gpt2-small     # the 12-layer GPT-2-small shape (slow on CPU)
+    python benchmarks/probes/sweep.py --device cuda           # bf16 on a GPU, GPT-2-small, 32 tokens
+    python benchmarks/probes/sweep.py --dataset --generate    # + 1,000 prompts, + a generation sweep
+    python benchmarks/probes/sweep.py --ray                   # + the patching sweep on 2 Ray workers
 
 The four ways of running one patch per (layer, position) -- copy the clean run's block output
 at that position into the corrupted run, read a logit difference:
@@ -36,7 +36,7 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 import interlace  # noqa: E402
 

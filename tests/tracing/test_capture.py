@@ -295,7 +295,7 @@ def test_cold_capture_of_a_block_in_a_5000_line_file_is_fast(tmp_path):
     namespace["target"](Probe)
     elapsed, block = timings[0]
     assert block.lineno == text.count("\n") - 2
-    # The goal is < 2 ms (benchmarks/bench_tracer.py reports it); a loaded CI box gets slack.
+    # The goal is < 2 ms (benchmarks/probes/tracer.py reports it); a loaded CI box gets slack.
     assert elapsed < 0.05, f"cold capture took {elapsed * 1e3:.1f} ms"
 
 
