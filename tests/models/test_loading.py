@@ -92,6 +92,7 @@ def test_separate_tokenizer_path(model_dirs):
     assert model.tokenizer.padding_side == "left"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_unreachable_hub_id_offline_names_it_and_suggests_a_folder(tmp_path):
     """HF_HUB_OFFLINE=1 in a fresh interpreter: the id is named, a local path suggested."""
     code = (
