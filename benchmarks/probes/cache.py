@@ -35,7 +35,7 @@ import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
-import interlace  # noqa: E402
+import interlace  # noqa: E402 - after the sys.path line that finds src/
 
 
 def build():

@@ -112,8 +112,6 @@ def measure_here() -> dict:
 
     nothing = Nothing()
 
-    import types
-
     def stand_in_block(frame):
         return types.SimpleNamespace(
             filename=frame.f_code.co_filename, lineno=frame.f_lineno,

@@ -6,7 +6,6 @@ import greenlet
 import pytest
 import torch
 
-import interlace
 from interlace.intervention import mediator
 
 

@@ -76,8 +76,8 @@ def test_block_facts():
             for i in range(2):
                 pass
             [z := 1 for _ in range(1)]
-            import os.path as osp
-            import json
+            import os.path as osp  # noqa: F401 - an import binds a name the block assigns
+            import json  # noqa: F401 - the same, plain form
 
             def g():
                 inner = 1

@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 import traceback
 
 import pytest

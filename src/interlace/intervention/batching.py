@@ -360,7 +360,7 @@ def swap(full, part, rows, total, layout=None, dim=0, expanded=None):
                 return out
             try:
                 return type(f)(**out)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an output type we cannot rebuild: a plain mapping
                 return out
         return p
 

@@ -178,7 +178,7 @@ class Tracer(_frames.TracerBase):
             except BaseException as error:
                 # This frame cannot leave the traceback (Python adds the frame that raises);
                 # pytest and IPython hide frames that set __tracebackhide__.
-                __tracebackhide__ = True  # noqa: F841
+                __tracebackhide__ = True  # noqa: F841 - read from the frame by pytest and IPython
                 _clean(error, exc)
                 raise error  # noqa: B904 - re-raised from the traced body or backend: see the frames below
             return True
@@ -195,9 +195,9 @@ class Tracer(_frames.TracerBase):
         try:
             return _Ready(self.__exit__(exc_type, exc, tb))
         except BaseException as error:
-            __tracebackhide__ = True  # noqa: F841
+            __tracebackhide__ = True  # noqa: F841 - read from the frame by pytest and IPython
             _clean(error, None)  # __exit__'s frame goes; this one, which re-raises, stays
-            raise error  # noqa: B904
+            raise error  # noqa: B904 - re-raised as it was, its own context kept
 
     # -- what backends call ---------------------------------------------------------------
     def trace_state(self) -> TraceState:

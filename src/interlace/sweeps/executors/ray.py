@@ -47,7 +47,7 @@ INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
 
 def require():
     try:
-        import ray  # noqa: F401
+        import ray  # noqa: F401 - only whether it imports
     except ImportError:
         raise MissingExtraError(
             f"executor='ray' runs a sweep on Ray, which is not installed here: {INSTALL}; "
@@ -249,7 +249,7 @@ def _schedule(ray, actors, entries, size, shared, done, sweep):
 
 def _raise_later(error):
     raise error
-    yield  # noqa: unreachable - makes this a generator
+    yield  # unreachable: makes this a generator
 
 
 def _is_callable_input(source):
