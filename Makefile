@@ -11,7 +11,7 @@ STAMP := $(VENV)/.interlace-installed
 # The torch-free tracer core is also tested on these interpreters (skipped, with a line, when absent).
 CORE_VERSIONS ?= 3.10 3.12 3.13
 
-.PHONY: demo test test-native test-twin test-core-versions build bench clean
+.PHONY: demo check test test-native test-twin test-core-versions build bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x "$(PY)" || "$(PYTHON311)" -m venv $(VENV)
@@ -26,6 +26,12 @@ build: $(STAMP)
 
 demo: $(STAMP) build
 	$(PY) -m demo
+
+# The developer loop: ruff (rules in pyproject.toml) and the tests not marked `slow`
+# (subprocesses, fuzzing, the benchmark smoke run, Ray), compiled path only.
+check: build
+	$(PY) -m ruff check .
+	INTERLACE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The whole suite, once on the compiled extension (which must load) and once on the twin.
 test: test-native test-twin

@@ -33,7 +33,7 @@ class OptionalBuildExt(build_ext):
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - any build failure means "use the twin"
             self._fallback(error)
 
     def _fallback(self, error):

@@ -95,7 +95,7 @@ class Raw(Contender):
         def run():
             for _ in range(ENTRIES):
                 with contextlib.nullcontext():
-                    x = 1  # noqa: F841
+                    x = 1  # noqa: F841 - the body under test, never read
         return run
 
 
@@ -219,7 +219,7 @@ class Interlace(Contender):
 
         return interlace.Model(s.module)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one per subject, kept for the process
     def language_model(self, s):
         import interlace
 
@@ -286,7 +286,7 @@ class Interlace(Contender):
         def run():
             with lm.generate(ids, **kw) as tracer:
                 logits = save([])
-                for step in tracer.iter[:]:  # noqa: B007
+                for step in tracer.iter[:]:  # noqa: B007 - the loop drives the steps
                     logits.append(s.lm_head(lm).output)
             return logits
         return run
@@ -318,7 +318,7 @@ class Interlace(Contender):
         def run():
             for _ in range(ENTRIES):
                 with Tracer(backend=nothing):
-                    x = 1  # noqa: F841
+                    x = 1  # noqa: F841 - the body under test, never read
         return run
 
     def collect(self, s, items):
@@ -355,13 +355,13 @@ class NNsight(Contender):
 
         return version("nnsight")
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one per subject, kept for the process
     def model(self, s):
         import nnsight
 
         return nnsight.NNsight(copy.deepcopy(s.module))
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one per subject, kept for the process
     def language_model(self, s):
         import nnsight
 
@@ -429,7 +429,7 @@ class NNsight(Contender):
         def run():
             with lm.generate(ids, **kw) as tracer:
                 logits = save([])
-                for step in tracer.iter[:]:  # noqa: B007
+                for step in tracer.iter[:]:  # noqa: B007 - the loop drives the steps
                     logits.append(s.lm_head(lm).output)
             return logits
         return run
@@ -466,7 +466,7 @@ class TransformerLens(Contender):
 
         return version("transformer-lens")
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one per subject, kept for the process
     def bridge(self, s):
         from transformer_lens.model_bridge import TransformerBridge
 

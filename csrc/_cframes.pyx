@@ -8,7 +8,7 @@ Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C ha
 import threading
 import weakref
 
-from interlace.versions import HAS_MONITORING, PY313_PLUS
+from interlace.versions import CO_OPTIMIZED, HAS_MONITORING, PY313_PLUS
 
 cdef extern from "_cframes_impl.h":
     int ilc_init(object skip_signal) except -1
@@ -141,7 +141,7 @@ def write_back(frame, values):
     or a class body's namespace."""
     if not values:
         return
-    if not frame.f_code.co_flags & 0x1:   # not CO_OPTIMIZED: module or class body
+    if not frame.f_code.co_flags & CO_OPTIMIZED:   # module or class body
         frame.f_locals.update(values)
         return
     if PY313_PLUS:
@@ -250,45 +250,3 @@ if HAS_MONITORING:
 else:
     def prepare(code, line_units, instruction_units, lines, fused_prev_units=(), guard_units=()):
         """Nothing to prepare on 3.10/3.11: the one-shot trace function needs no setup."""
-
-
-from cpython.ref cimport PyObject
-
-cdef extern from "Python.h":
-    # borrowed reference: cast with <object> (which takes a new one) before use
-    PyObject *ilc_current_frame "(PyObject *)PyEval_GetFrame" ()
-
-
-cdef class FastSkip:
-    """A context manager written in C that only skips: a fast path for warm sites.
-
-    `plans` maps (id(code), f_lasti) of a with site to the `arm_args` of its SkipPlan
-    (filled by the caller after skip.plan); a miss raises KeyError. No Python frame runs
-    between arming and the body start, so nothing but the caller's frame sees the window.
-    Used by benchmarks/bench_tracer.py to measure the mechanism alone; a Tracer can use the
-    same route for its warm path (capture and plan on a miss in Python, then this).
-    """
-
-    cdef object plans
-    cdef object handle
-
-    def __init__(self, plans):
-        self.plans = plans
-
-    def __enter__(self):
-        frame = <object>ilc_current_frame()
-        args = self.plans[(id(frame.f_code), frame.f_lasti)]
-        self.handle = ilc_arm(frame, args[0], args[1], args[2], args[3])
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        handle = self.handle
-        self.handle = None
-        if handle is None:
-            return False
-        fired = ilc_disarm(handle) == 1
-        if exc_type is not None:
-            return issubclass(exc_type, SkipSignal)
-        if not fired:
-            raise RuntimeError("interlace: the body ran inline (the skip did not fire)")
-        return True

@@ -293,9 +293,6 @@ cdef class Exchange:
             self.routes.extend(bytes(key + 1 - n))
         self.routes[key] = 1 if on else 0
 
-    def is_routed(self, Py_ssize_t key):
-        return key < len(self.routes) and self.routes[key] != 0
-
     def grow(self, Py_ssize_t nkeys, visits=None, positions=None):
         """Make room in the hub for keys up to `nkeys` (locations added during the run), counted
         exactly from now on; `visits`/`positions`: the learned order's, grown with them."""

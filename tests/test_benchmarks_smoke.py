@@ -263,3 +263,19 @@ def test_baseline_build_failure_says_so_and_the_export_is_reused(tmp_path):
     before = marker.stat().st_mtime_ns
     assert baseline.prepare(head, ROOT, str(tmp_path), python=failing) == why
     assert marker.stat().st_mtime_ns == before  # exported once, reused
+
+
+def test_every_probe_is_listed_and_compiles():
+    """benchmarks/probes/ holds the scripts outside the harness, each with its line in
+    benchmarks/README.md saying what it isolates; no stray bench_*.py is left beside the harness."""
+    import glob
+
+    probes = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "probes", "*.py")))
+    assert probes and not glob.glob(os.path.join(ROOT, "benchmarks", "bench_*.py"))
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Probes"):]
+    for path in probes:
+        assert f"- `{os.path.basename(path)}`: " in section, path
+        with open(path) as f:
+            compile(f.read(), path, "exec")

@@ -7,12 +7,18 @@ use through the module `__getattr__` below.
 
 from ._native import native
 from .errors import (
+    BarrierError,
+    BatchingError,
     BatchingWarning,
+    CacheError,
     InterlaceError,
     IterationCutShortWarning,
+    MissingExtraError,
+    ModelLoadError,
     NotInTraceError,
     OutOfOrderError,
     SourceNotAvailable,
+    UnknownKeywordError,
     UnsupportedBlockError,
     WithBlockNotFoundError,
 )
@@ -44,6 +50,12 @@ __all__ = [
     "IterationCutShortWarning",
     "BatchingWarning",
     "SourceNotAvailable",
+    "BatchingError",
+    "BarrierError",
+    "CacheError",
+    "UnknownKeywordError",
+    "ModelLoadError",
+    "MissingExtraError",
     "Tracer",
     "Backend",
     "save",

@@ -118,11 +118,3 @@ def tracer_methods(
 def armed_count() -> int:
     """Armed handles not yet disarmed, on any thread."""
 
-class FastSkip:
-    """A skip-only context manager in C for warm sites: `plans` maps (id(code), f_lasti)
-    to a SkipPlan's `arm_args`; a miss raises KeyError. No Python frame runs between
-    arming and the body start."""
-
-    def __init__(self, plans: dict) -> None: ...
-    def __enter__(self) -> "FastSkip": ...
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool: ...

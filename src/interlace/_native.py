@@ -1,9 +1,8 @@
 """The one place that chooses the compiled extension or its pure-Python twin.
 
 * `frames`  - `interlace._cframes` (compiled) or `interlace._pyframes` (twin): frame mechanism.
-* `hotpath` - `interlace._chotpath` or `interlace._pyhotpath`: the interleaving hot path
-  (None while neither exists in this checkout).
-* `native`  - True only if every compiled module this checkout has sources for loaded.
+* `hotpath` - `interlace._chotpath` or `interlace._pyhotpath`: the interleaving hot path.
+* `native`  - True only if both compiled modules loaded.
 
 Switches (environment, read once at import):
 
@@ -32,13 +31,8 @@ SUPPORTED = EXTENSION_SUPPORTED
 why_not: dict = {}
 
 
-def _expected(compiled: str) -> bool:
-    """A compiled module belongs to this checkout if its checked-in `.pyi` stub is here."""
-    return os.path.exists(os.path.join(os.path.dirname(__file__), f"{compiled}.pyi"))
-
-
 def _load(compiled: str, twin: str):
-    """Import the compiled module or its twin; returns (module or None, compiled loaded?)."""
+    """Import the compiled module or its twin; returns (module, compiled loaded?)."""
     if NO_EXTENSIONS:
         why_not[compiled] = "INTERLACE_NO_EXTENSIONS=1"
     elif not SUPPORTED:
@@ -47,21 +41,14 @@ def _load(compiled: str, twin: str):
         try:
             return importlib.import_module(f"interlace.{compiled}"), True
         except ImportError as error:
-            if not _expected(compiled):
-                pass  # not part of this checkout (yet): the twin is the implementation
-            elif REQUIRE_EXTENSIONS:
+            if REQUIRE_EXTENSIONS:
                 raise ImportError(
                     f"INTERLACE_REQUIRE_EXTENSIONS=1 but interlace.{compiled} did not load: {error}. "
                     f"Build it with `python setup.py build_ext --inplace` (needs a C compiler and Cython)."
                 ) from error
             else:
                 why_not[compiled] = f"import failed: {error}"
-    try:
-        return importlib.import_module(f"interlace.{twin}"), False
-    except ModuleNotFoundError as error:
-        if error.name != f"interlace.{twin}":
-            raise
-        return None, False
+    return importlib.import_module(f"interlace.{twin}"), False
 
 
 if REQUIRE_EXTENSIONS and not NO_EXTENSIONS and not SUPPORTED:
@@ -70,8 +57,8 @@ if REQUIRE_EXTENSIONS and not NO_EXTENSIONS and not SUPPORTED:
 frames, _frames_native = _load("_cframes", "_pyframes")
 hotpath, _hotpath_native = _load("_chotpath", "_pyhotpath")
 
-#: True only if the compiled modules that exist in this checkout loaded.
-native: bool = _frames_native and (_hotpath_native or not _expected("_chotpath"))
+#: True only if both compiled modules loaded.
+native: bool = _frames_native and _hotpath_native
 
 if not SUPPORTED and not NO_EXTENSIONS:
     import logging  # here, not at the top: logging (and re, enum) would cost every import ~10 ms

@@ -331,32 +331,6 @@ def tracer_methods(cls, enter, exit, aenter, aexit, clean, current, default_back
     return enter, exit, aenter, aexit
 
 
-class FastSkip:
-    """Skip-only context manager for warm sites (see `_cframes.FastSkip`).
-
-    `plans` maps (id(code), f_lasti) to a SkipPlan's `arm_args`."""
-
-    def __init__(self, plans):
-        self.plans = plans
-        self.handle = None
-
-    def __enter__(self):
-        frame = sys._getframe(1)
-        self.handle = arm(frame, *self.plans[(id(frame.f_code), frame.f_lasti)])
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        handle, self.handle = self.handle, None
-        if handle is None:
-            return False
-        fired = disarm(handle)
-        if exc_type is not None:
-            return issubclass(exc_type, SkipSignal)
-        if not fired:
-            raise RuntimeError("interlace: the body ran inline (the skip did not fire)")
-        return True
-
-
 def patch_checks(code, units, prev_units=()):
     """Native only: the twin cannot patch bytecode (it skips by raising instead)."""
     raise NotImplementedError("the pure-Python twin cannot patch bytecode")
@@ -372,7 +346,7 @@ def write_back(frame, values):
     or a class body's namespace."""
     if not values:
         return
-    if not frame.f_code.co_flags & 0x1:  # not CO_OPTIMIZED: module or class body
+    if not frame.f_code.co_flags & V.CO_OPTIMIZED:  # module or class body
         frame.f_locals.update(values)
         return
     if V.PY313_PLUS:

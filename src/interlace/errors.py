@@ -42,6 +42,38 @@ class SourceNotAvailable(InterlaceError):
     """
 
 
+
+class BatchingError(InterlaceError, ValueError):
+    """The inputs of several invokes cannot be combined into one batch."""
+
+
+class BarrierError(InterlaceError, ValueError):
+    """A barrier used where it cannot work, or one that can never fill."""
+
+
+class CacheError(InterlaceError, ValueError):
+    """`tracer.cache(...)` used where or how it cannot record (a `ValueError`, as in nnsight)."""
+
+
+class UnknownKeywordError(InterlaceError, TypeError, ValueError):
+    """A keyword the model (trace) or transformers' generate (generate) does not take.
+
+    A `TypeError`, as Python raises for an unexpected keyword, and a `ValueError`, as
+    transformers' generate raises for unused model kwargs, so either `except` catches it.
+    """
+
+
+class ModelLoadError(InterlaceError, OSError):
+    """A model or tokenizer could not be loaded (e.g. a hub id while offline).
+
+    An `OSError` too, because that is what `transformers.from_pretrained` raises for the
+    same situations, so code that caught those keeps working.
+    """
+
+
+class MissingExtraError(InterlaceError, ImportError):
+    """An optional dependency a feature needs is not installed."""
+
 class IterationCutShortWarning(UserWarning):
     """A `tracer.iter` loop asked for a step the run never reached; the loop ended early."""
 

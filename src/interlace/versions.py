@@ -18,8 +18,6 @@ if TYPE_CHECKING:  # annotations only: importing typing costs `import interlace`
 
 PY310: Final[bool] = sys.version_info[:2] == (3, 10)
 PY311: Final[bool] = sys.version_info[:2] == (3, 11)
-PY312: Final[bool] = sys.version_info[:2] == (3, 12)
-PY313: Final[bool] = sys.version_info[:2] == (3, 13)
 PY311_PLUS: Final[bool] = sys.version_info >= (3, 11)
 PY312_PLUS: Final[bool] = sys.version_info >= (3, 12)
 PY313_PLUS: Final[bool] = sys.version_info >= (3, 13)
@@ -40,6 +38,10 @@ EXTENSION_SUPPORTED: Final[bool] = (
 
 #: `sys.monitoring` exists (3.12+): skips use LINE events instead of a trace function.
 HAS_MONITORING: Final[bool] = hasattr(sys, "monitoring")
+
+#: `code.co_flags` bit of a function body (fast locals); module and class bodies lack it.
+#: `inspect.CO_OPTIMIZED`, without importing inspect.
+CO_OPTIMIZED: Final[int] = 0x1
 
 #: Instructions that call `__enter__` for a `with` / `async with` item.
 WITH_ENTER_OPS: Final[frozenset] = frozenset(

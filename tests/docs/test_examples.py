@@ -30,6 +30,7 @@ def _script(page):
     return "\n".join(parts)
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_docs_page_examples_run(page, tmp_path):
     script = tmp_path / (page.stem.replace("-", "_") + "_examples.py")

@@ -267,7 +267,6 @@ def test_routed_keys_go_to_the_policy(hp):
 
     h = Harness(hp, routed=routed)
     h.ex.route(6)
-    assert h.ex.is_routed(6) and not h.ex.is_routed(7) and not h.ex.is_routed(100)
     body = h.start(lambda me: me.log.append(h.wait(me, 6, 0).value))
     assert h.ex.post_hook(6)(None, ("a",), "out") == "from policy"
     assert h.ex.pre_hook(7)(None, ("a",), {"k": 1}) is None  # not routed
@@ -400,7 +399,7 @@ def test_end_makes_installed_hooks_inert(hp):
             call()
     hub = hp.Hub(4, 0, None, None, True)
     h.ex.begin(hub, threading.get_ident())  # one exchange serves the next run
-    assert not h.ex.is_routed(1) and h.ex.bypass == 0
+    assert h.ex.bypass == 0
     hook(None, (), 0)
     assert hub.counts[1] == 1
 

@@ -172,6 +172,7 @@ def test_trace_code_after_an_invoke_does_not_see_its_variables_yet(mlp_model):
     assert h.shape == (1, 16)  # after the block, saved values come back as usual
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_module_level_loop(tmp_path):
     """The same rule at module level (the body's names are globals there)."""
     import subprocess

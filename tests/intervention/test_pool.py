@@ -3,9 +3,9 @@
 import gc
 
 import greenlet
+import pytest
 import torch
 
-import interlace
 from interlace.intervention import mediator
 
 
@@ -40,6 +40,7 @@ def test_dropping_the_pool_frees_its_workers(mlp_model, x6):
     assert _suspended_outside_the_pool() == []
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_worker_made_inside_a_trace_body_is_not_reused(tmp_path):
     """A trace nested in a Tracer's body, then a trace where torch raises after a hook: the
     nested trace's worker was pooled and reusing it crashed the process (natively)."""

@@ -110,6 +110,7 @@ _NNSIGHT_REPRS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_names_and_printouts_match_nnsight(gpt2e, llamae):
     """Ported code finds the same names, and `print(envoy.source)` the same text, as nnsight."""
     if importlib.util.find_spec("nnsight") is None:  # (importorskip would import it here)

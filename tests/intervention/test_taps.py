@@ -17,7 +17,7 @@ import interlace
 from interlace import save
 from interlace._native import hotpath
 
-from .helpers import assert_clean, hooked, logits
+from .helpers import assert_clean, hooked
 
 PACKAGE = os.path.dirname(os.path.abspath(interlace.__file__))
 

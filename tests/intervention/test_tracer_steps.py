@@ -8,7 +8,7 @@ import ast
 
 import torch
 
-from interlace import save
+from interlace import save  # noqa: F401 - read by the code the build step adds
 from interlace.intervention.tracer import InterleavingTracer, Invoker
 from interlace.sweeps import SweepTracer
 

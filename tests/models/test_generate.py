@@ -128,12 +128,28 @@ def test_generate_needs_a_prompt(lm):
             lm.lm_head.output.save()
 
 
-def test_no_grad_generation_keeps_interlace_usable(lm):
+def test_no_grad_generation_keeps_interlace_usable(lm, hf_model, hf_tokenizer, arch):
+    """A generation under torch.no_grad() leaves the model ready for the next trace, which
+    runs with gradients again and reads what plain torch computes."""
     with torch.no_grad():
-        with lm.generate(PROMPT, max_new_tokens=2) as tracer:
+        with lm.generate(PROMPT, max_new_tokens=2, **GREEDY) as tracer:
             ids = tracer.result.save()
-    assert isinstance(ids, torch.Tensor)
-    assert isinstance(lm, interlace.Model)
+        assert not torch.is_grad_enabled()
+    with torch.no_grad():
+        assert torch.equal(ids, hf_generate(hf_model, hf_tokenizer, PROMPT, 2))
+    assert torch.is_grad_enabled()
+    with lm.trace(PROMPT):
+        hidden = layers(lm, arch)[0].output[0].save()
+        logits = lm.output.logits.save()
+    captured = []
+    handle = layers(hf_model, arch)[0].register_forward_hook(lambda m, i, o: captured.append(o[0]))
+    try:
+        ref = hf_model(encode(hf_tokenizer, PROMPT)).logits
+    finally:
+        handle.remove()
+    assert hidden.requires_grad and logits.requires_grad  # the second trace ran with gradients
+    torch.testing.assert_close(hidden, captured[0])
+    torch.testing.assert_close(logits, ref)
 
 
 def test_model_left_clean_after_generation_errors(lm, arch):

@@ -1,6 +1,7 @@
 """LanguageModel loading: folders, modules in memory, dtype/device_map/kwargs, offline errors."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -31,9 +32,20 @@ def test_loads_a_save_pretrained_folder(lm, hf_model, hf_tokenizer, model_dir):
     assert hf_tokenizer.pad_token is None
 
 
-def test_path_objects_and_interlace_namespace(model_dir):
-    model = interlace.LanguageModel(model_dir)  # a pathlib.Path
-    assert isinstance(model, interlace.Model)
+def test_path_objects_and_interlace_namespace(model_dir, hf_model, hf_tokenizer):
+    """`interlace.LanguageModel` (the top-level name) loads a folder given as a pathlib.Path
+    exactly as transformers loads it: the same weights, tokenizer and outputs."""
+    assert isinstance(model_dir, pathlib.Path)
+    assert interlace.LanguageModel is LanguageModel and "LanguageModel" in dir(interlace)
+    model = interlace.LanguageModel(model_dir)
+    assert isinstance(model, interlace.Model) and type(model._module) is type(hf_model)
+    assert same_weights(model._module, hf_model)
+    assert model.tokenizer("hello world")["input_ids"] == hf_tokenizer("hello world")["input_ids"]
+    ids = torch.tensor([hf_tokenizer("hello world")["input_ids"]])
+    with model.trace("hello world"):
+        logits = model.output.logits.save()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf_model(ids).logits)
 
 
 def test_wraps_a_module_in_memory(hf_model, hf_tokenizer):
@@ -80,6 +92,7 @@ def test_separate_tokenizer_path(model_dirs):
     assert model.tokenizer.padding_side == "left"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_unreachable_hub_id_offline_names_it_and_suggests_a_folder(tmp_path):
     """HF_HUB_OFFLINE=1 in a fresh interpreter: the id is named, a local path suggested."""
     code = (

@@ -12,7 +12,7 @@ from torch import nn
 import interlace
 from interlace.intervention.batching import BatchingError
 
-from .conftest import Calls, _gpt2
+from .conftest import Calls
 
 pytestmark = pytest.mark.torch
 

@@ -128,6 +128,7 @@ def run(tmp_path, mode, core):
     return printed.strip(), json.loads(lines)
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.native_only
 @pytest.mark.parametrize("core", cores())
 def test_coverage_sees_the_same_lines_as_inline(tmp_path, core):

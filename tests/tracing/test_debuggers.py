@@ -170,6 +170,7 @@ PDB_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.native_only
 @pytest.mark.parametrize("line", [6, 8])
 def test_pdb_breakpoint_after_the_block_hits(tmp_path, line):

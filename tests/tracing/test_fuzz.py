@@ -28,6 +28,8 @@ import pytest
 import interlace
 from interlace import Tracer, UnsupportedBlockError, save
 
+pytestmark = pytest.mark.slow  # random programs by the hundred: `make test` runs them, `make check` does not
+
 PROGRAMS = 192  # a few seconds per interpreter and path
 KINDS = ("function", "loop", "generator", "async", "closure", "method", "class", "module")
 

@@ -34,6 +34,7 @@ def loaded_by(code: str) -> set:
     return set(json.loads(proc.stdout.splitlines()[-1]))
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.parametrize("code", ["import interlace", "from interlace import Tracer, save"])
 def test_import_loads_no_heavy_module(code):
     loaded = loaded_by(code)
@@ -42,6 +43,7 @@ def test_import_loads_no_heavy_module(code):
     assert not heavy, f"`{code}` loads {heavy}: import them where they are first needed"
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.parametrize("code", ["import interlace", "from interlace import Tracer, save"])
 def test_import_loads_no_parser(code):
     loaded = loaded_by(code)
@@ -50,6 +52,7 @@ def test_import_loads_no_parser(code):
     assert not parser, f"`{code}` loads {parser}: the capture machinery (tracing/syntax.py) loads them"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_first_trace_still_works_after_a_cheap_import(tmp_path):
     """The lazy modules load on demand: a fresh interpreter traces a block right away."""
     (tmp_path / "first_trace.py").write_text(

@@ -59,6 +59,7 @@ def test_flag_matches_the_loaded_module():
         assert _native.frames.__name__ == "interlace._cframes"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_no_extensions_forces_the_twin():
     proc = run(INTERLACE_NO_EXTENSIONS="1")
     assert proc.returncode == 0, proc.stderr
@@ -66,6 +67,7 @@ def test_no_extensions_forces_the_twin():
     assert "LOG" not in proc.stdout
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.native_only
 def test_default_loads_the_compiled_module():
     proc = run()
@@ -73,6 +75,7 @@ def test_default_loads_the_compiled_module():
     assert "native True interlace._cframes []" in proc.stdout
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.native_only
 def test_require_extensions_passes_when_built():
     proc = run(INTERLACE_REQUIRE_EXTENSIONS="1")
@@ -80,12 +83,14 @@ def test_require_extensions_passes_when_built():
     assert "native True interlace._cframes" in proc.stdout
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_failed_import_falls_back_to_the_twin_quietly():
     proc = run(BLOCK_CFRAMES)
     assert proc.returncode == 0, proc.stderr
     assert "native False interlace._pyframes ['_cframes']" in proc.stdout
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_require_extensions_makes_a_failed_import_loud():
     proc = run(BLOCK_CFRAMES, INTERLACE_REQUIRE_EXTENSIONS="1")
     assert proc.returncode != 0
@@ -93,6 +98,7 @@ def test_require_extensions_makes_a_failed_import_loud():
     assert "simulated: no compiled module" in proc.stderr
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_unsupported_interpreter_uses_the_twin_and_says_so_once():
     proc = run(FAKE_FREE_THREADED)
     assert proc.returncode == 0, proc.stderr
@@ -102,6 +108,7 @@ def test_unsupported_interpreter_uses_the_twin_and_says_so_once():
     assert "not written for" in logs[0] and "free-threaded" in logs[0]
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_unsupported_interpreter_with_require_fails_loudly():
     proc = run(FAKE_FREE_THREADED, INTERLACE_REQUIRE_EXTENSIONS="1")
     assert proc.returncode != 0

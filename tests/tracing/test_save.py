@@ -245,6 +245,7 @@ def run_fresh(code, *paths):
     return result.stdout.strip()
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_import_mounts_nothing_and_the_first_trace_body_mounts():
     out = run_fresh("""
         import interlace
@@ -278,6 +279,7 @@ OFF_AFTER_THE_BODY = "save" not in object.__dict__  # the import goes on without
 """
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_trace_at_import_time_can_save(tmp_path):
     """The issue's case: a module that runs a trace when imported, after interlace was."""
     (tmp_path / "experiment_at_import.py").write_text("from interlace import save\n" + EXPERIMENT)
@@ -299,6 +301,7 @@ def test_a_trace_at_import_time_can_save(tmp_path):
     assert out == "[1, 2] False True True"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_save_stays_on_while_another_thread_imports(tmp_path):
     """A body running in one thread keeps `.save()` while another thread imports a module."""
     (tmp_path / "slow_import.py").write_text(
@@ -391,6 +394,7 @@ def test_imports_that_walk_dir_do_not_see_save(tmp_path, monkeypatch, only_our_s
     assert kept == [1]
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_torch_transformers_anyio_import_after_interlace_and_after_a_trace():
     """In a subprocess: tests/tracing never imports torch itself."""
     import importlib.util
@@ -501,6 +505,7 @@ ORDERS = {
 }
 
 
+@pytest.mark.slow  # starts a subprocess
 @pytest.mark.parametrize("order", list(ORDERS))
 def test_each_library_saves_in_its_own_traces(order, tmp_path):
     (tmp_path / "fake_mounter.py").write_text(FAKE_MOUNTER)
@@ -508,6 +513,7 @@ def test_each_library_saves_in_its_own_traces(order, tmp_path):
     assert run_fresh(ORDERS[order] + COEXIST_CHECK, tmp_path) == "ok"
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_mounter_that_chains_back_to_ours_does_not_loop(tmp_path):
     (tmp_path / "fake_mounter.py").write_text(FAKE_MOUNTER)
     out = run_fresh("""

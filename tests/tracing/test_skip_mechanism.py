@@ -282,36 +282,3 @@ def test_fused_reads_after_the_block_are_redirected_to_the_checked_copy():
     with pytest.raises(UnboundLocalError, match="'b'"):
         f(lambda: SkipOnly({"a": 10}))
     assert f(contextlib.nullcontext) == 3  # the inline path runs through the redirect
-
-
-def test_fast_skip_context_manager_for_warm_sites():
-    plans = {}
-
-    class Warm(SkipOnly):
-        def __exit__(self, *exc):
-            plans[(id(sys._getframe(1).f_code), self.lasti)] = self.plan.arm_args
-            return super().__exit__(*exc)
-
-        def __enter__(self):
-            frame = sys._getframe(1)
-            self.lasti = frame.f_lasti
-            return self._enter(frame)
-
-    ran = []
-
-    def site(cm):
-        with cm:
-            ran.append(1)
-        return len(ran)
-
-    assert site(Warm()) == 0          # plans the site, skips
-    fast = frames.FastSkip(plans)
-    assert [site(fast) for _ in range(3)] == [0, 0, 0]
-
-    def other():
-        with fast:
-            ran.append(2)
-
-    with pytest.raises(KeyError):
-        other()
-    assert ran == []

@@ -11,7 +11,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 import traceback
 
 import pytest
@@ -127,6 +126,7 @@ main()
 """
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_plain_python_script_prints_only_the_users_frames(tmp_path):
     path = tmp_path / "user_script.py"
     path.write_text(SCRIPT)

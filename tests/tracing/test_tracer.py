@@ -135,6 +135,7 @@ def test_unpickled_tracer_rebuilds_and_runs_its_body_elsewhere():
 
 
 # -- import is torch-free -----------------------------------------------------------------------
+@pytest.mark.slow  # starts a subprocess
 def test_import_interlace_imports_neither_torch_nor_transformers():
     code = (
         "import sys, interlace, interlace.tracing\n"

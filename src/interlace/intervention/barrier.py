@@ -31,11 +31,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import InterlaceError
-
-
-class BarrierError(InterlaceError, ValueError):
-    """A barrier used where it cannot work, or one that can never fill."""
+from ..errors import BarrierError  # re-exported: its home is interlace.errors
 
 
 class Barrier:

@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InterlaceError
-
-
-class BatchingError(InterlaceError, ValueError):
-    """The inputs of several invokes cannot be combined into one batch."""
+from ..errors import BatchingError  # re-exported: its home is interlace.errors
 
 
 @dataclass
@@ -368,7 +364,7 @@ def swap(full, part, rows, total, layout=None, dim=0, expanded=None):
                 return out
             try:
                 return type(f)(**out)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an output type we cannot rebuild: a plain mapping
                 return out
         return p
 

@@ -33,14 +33,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import InterlaceError
+from ..errors import CacheError  # re-exported: its home is interlace.errors
 from ..tracing import save
 from .batching import narrow
 from .envoy import Envoy, module_of
-
-
-class CacheError(InterlaceError, ValueError):
-    """`tracer.cache(...)` used where or how it cannot record (a `ValueError`, as in nnsight)."""
 
 
 class Entry:

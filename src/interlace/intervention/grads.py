@@ -25,6 +25,7 @@ from greenlet import getcurrent
 from .._native import hotpath
 from ..errors import InterlaceError, OutOfOrderError
 from ..tracing import Backend, Tracer
+from ..versions import WITH_ENTER_OPS
 from .batching import origin
 from .body import BodyJob
 from .mediator import DONE, FAILED, PARKED, STOPPED, Mediator, _is_grad_enabled, _set_grad_enabled
@@ -34,7 +35,6 @@ _base_grad = torch._C.TensorBase.__dict__["grad"]
 _lock = threading.Lock()
 _installed = {"backward": 0, "grad": 0}
 _local = threading.local()  # .runs: the GradRuns of this thread, innermost last
-_WITH_OPS = {"BEFORE_WITH", "SETUP_WITH"}
 _with_after_call: dict = {}
 
 
@@ -49,7 +49,7 @@ def followed_by_with(frame) -> bool:
         answer = False
         for instruction in dis.get_instructions(code):
             if instruction.offset > frame.f_lasti:
-                answer = instruction.opname in _WITH_OPS
+                answer = instruction.opname in WITH_ENTER_OPS
                 break
         if len(_with_after_call) > 4096:
             _with_after_call.clear()

@@ -28,6 +28,7 @@ from greenlet import getcurrent
 
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
+from ..tracing.tracer import user_frame
 from . import compiled, grads, hooks
 from .batching import RunAlone, expand, leaf, map_leaves, narrow, put, swap
 from .mediator import (
@@ -52,18 +53,10 @@ class _Stop(BaseException):
     """Unwinds the model's forward after `tracer.stop()`."""
 
 
-_PACKAGE_DIR = __file__.rsplit("intervention", 1)[0]
-
-
 def _user_line(mediator):
     """(filename, lineno) of the innermost frame of a parked body outside interlace."""
-    frame = mediator.worker.gr_frame if mediator.worker is not None else None
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if _PACKAGE_DIR not in filename:
-            return filename, frame.f_lineno
-        frame = frame.f_back
-    return "<interlace>", 0
+    frame = user_frame(mediator.worker.gr_frame if mediator.worker is not None else None)
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<interlace>", 0)
 
 
 class Interleaver(hotpath.Exchange):
@@ -642,9 +635,7 @@ class Interleaver(hotpath.Exchange):
         """`signal` (RunAlone) completed with the location, the body's label and line."""
         signal.key = key
         signal.label = mediator.label
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            frame = frame.f_back
+        frame = user_frame(sys._getframe(1))
         signal.where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
         return signal
 
@@ -653,9 +644,7 @@ class Interleaver(hotpath.Exchange):
         if mediator is None or mediator.worker is not getcurrent():
             mediator = self.mediator(key)  # raises: not called from the running body
         event = self.request(key, mediator)
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            frame = frame.f_back
+        frame = user_frame(sys._getframe(1))
         if frame is not None:
             self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
         if mediator.rows is not None:

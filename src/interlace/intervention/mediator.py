@@ -25,7 +25,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 
 # Messages a worker sends back to the side that resumed it (the hot path's, which reads them).
 PARKED = hotpath.PARKED  # the body waits for a value (it is in the hub's table)
-DONE = hotpath.DONE  # the body returned; mediator.result holds its return value
+DONE = hotpath.DONE  # the body returned
 FAILED = hotpath.FAILED  # the body raised; mediator.error holds the exception
 STOPPED = hotpath.STOPPED  # the body called tracer.stop()
 
@@ -95,7 +95,7 @@ class Mediator(hotpath.MediatorCore):
     body_grad, finished) are `hotpath.MediatorCore`'s; only the others are slots here.
     """
 
-    __slots__ = ("fn", "result", "error", "label")
+    __slots__ = ("fn", "error", "label")
 
     def __init__(self, fn, index=0, rows=None, label="trace body"):
         self.fn = fn
@@ -104,7 +104,6 @@ class Mediator(hotpath.MediatorCore):
         self.pointer = hotpath.Pointer()
         self.worker = None
         self.event = None
-        self.result = None
         self.error = None
         self.finished = False
         self.body_grad = None  # the grad mode the body had when it last paused
@@ -181,7 +180,7 @@ class Mediator(hotpath.MediatorCore):
 
     def _job(self):
         try:
-            self.result = self.fn()
+            self.fn()
             return DONE
         except Cancelled:
             self.error = None

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import InterlaceError
+from ..errors import UnknownKeywordError  # re-exported: its home is interlace.errors
 from ..intervention.batching import Batcher, BatchingError, Prepared
 
 ACCEPTED = (
@@ -420,14 +420,6 @@ class PromptBatcher(Batcher):
             if p.device.type != "meta":
                 return p.device
         return torch.device("cpu")
-
-
-class UnknownKeywordError(InterlaceError, TypeError, ValueError):
-    """A keyword the model (trace) or transformers' generate (generate) does not take.
-
-    A `TypeError`, as Python raises for an unexpected keyword, and a `ValueError`, as
-    transformers' generate raises for unused model kwargs, so either `except` catches it.
-    """
 
 
 # Keywords transformers' causal LMs take through **kwargs (TransformersKwargs) or through a

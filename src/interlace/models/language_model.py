@@ -109,7 +109,7 @@ class LanguageModel(Model):
         prompt, rest = _split_prompt(kwargs)
         self.check_forward_kwargs(rest)
         run = _Forward(module_of(self), rest) if rest else None
-        return LanguageTracer(self, args, prompt, run=run)
+        return InterleavingTracer(self, args, prompt, run=run)
 
     def generate(self, *args, remote=False, **kwargs):
         """`with model.generate(prompt, max_new_tokens=N, **generate_kwargs) as tracer:`.
@@ -128,7 +128,7 @@ class LanguageModel(Model):
         if "pad_token_id" not in rest and getattr(config, "pad_token_id", None) is None:
             # The id we pad with; transformers would otherwise log a warning per generation.
             rest["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
-        return LanguageTracer(self, args, prompt, run=_Generation(module, rest))
+        return InterleavingTracer(self, args, prompt, run=_Generation(module, rest))
 
     def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
               workers=None, generate=False, save_to=None, overwrite=False, **kwargs):
@@ -219,8 +219,8 @@ def _unchanged_since_load(module):
     return lambda: fingerprint(module) == loaded
 
 
-class LanguageTracer(InterleavingTracer):
-    """The tracer of `LanguageModel.trace`/`generate` (`iter`/`all` come from every interleaving tracer)."""
+#: The tracer of `LanguageModel.trace`/`generate`: an InterleavingTracer (the name is kept for imports).
+LanguageTracer = InterleavingTracer
 
 
 class _Run:

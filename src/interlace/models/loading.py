@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import InterlaceError
-
-
-class ModelLoadError(InterlaceError, OSError):
-    """A model or tokenizer could not be loaded (e.g. a hub id while offline).
-
-    An `OSError` too, because that is what `transformers.from_pretrained` raises for the
-    same situations, so code that caught those keeps working.
-    """
+from ..errors import ModelLoadError  # re-exported: its home is interlace.errors
 
 
 def resolve_dtype(dtype, torch_dtype):

@@ -14,12 +14,9 @@ values it saved. Built on the tracer core's deferred-body API (`Tracer.defer`):
 
 from __future__ import annotations
 
-import os
-
 from ..intervention.mediator import ENDED_EARLY, StopSignal
 from ..tracing.save import TraceState
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from ..tracing.tracer import is_interlace_file
 
 
 class ItemBody:
@@ -80,8 +77,8 @@ def name_item(error, index, item):
     where = fallback = ""
     tb = error.__traceback__
     while tb is not None:  # the innermost frame of the user's own code (not a library's)
-        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not filename.startswith(_PACKAGE_DIR):
+        filename = tb.tb_frame.f_code.co_filename
+        if not is_interlace_file(filename):
             line = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
             if "site-packages" in filename or "dist-packages" in filename:
                 fallback = line

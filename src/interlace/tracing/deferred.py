@@ -58,7 +58,7 @@ class DeferredBody:
         self._code = None  # the code object the latest run executes (to find its frame)
         self._entry = None  # the namespace the latest run started from
 
-    def run(self, namespace=None, globals=None, *, reads_as_globals=False) -> dict:  # noqa: A002
+    def run(self, namespace=None, globals=None, *, reads_as_globals=False) -> dict:  # noqa: A002 - named as exec() names it
         """Run the body now, in this trace's save state, from any greenlet or thread; its
         final locals.
 

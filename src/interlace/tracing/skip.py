@@ -196,7 +196,7 @@ def _make_plan(frame, code, block, facts) -> SkipPlan:
                     "raise past the `try`", "Put a statement before the `try`, or let the body fall "
                     "through to the end of the `with` block.")
     guards = ()
-    if V.NEEDS_LOAD_CHECKS and frame.f_code.co_flags & 0x1:
+    if V.NEEDS_LOAD_CHECKS and frame.f_code.co_flags & V.CO_OPTIMIZED:
         names = set(getattr(block, "assigned_names", ()) or ())
         indices = set(sites.local_indices(code, names)) | _body_stores(code, site)
         plain, fused = sites.unchecked_reads(code, indices)
@@ -312,5 +312,5 @@ def release_locals(frame, snapshot=None) -> None:
     the real locals first. Module and class frames have no snapshot (their dict is the
     namespace itself). `snapshot`: the dict already read, to avoid syncing it again.
     """
-    if V.LOCALS_SNAPSHOT and frame is not None and frame.f_code.co_flags & 0x1:  # CO_OPTIMIZED
+    if V.LOCALS_SNAPSHOT and frame is not None and frame.f_code.co_flags & V.CO_OPTIMIZED:
         (frame.f_locals if snapshot is None else snapshot).clear()

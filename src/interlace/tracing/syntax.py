@@ -67,7 +67,6 @@ _WITH_NODES = (ast.With, ast.AsyncWith)
 _FUTURE_FLAGS = 0
 for _name in __future__.all_feature_names:
     _FUTURE_FLAGS |= getattr(__future__, _name).compiler_flag
-_CO_OPTIMIZED = 0x1
 _WITH_LINE = re.compile(r"[ \t\f]*(?:async[ \t]+)?with\b")
 _WITH_LINE_LOOKBACK = 200  # lines searched upwards for the `with` of a multi-line header
 _FUNCTION_FIELDS = ast.FunctionDef._fields
@@ -409,7 +408,7 @@ def build_block(frame, steps):
 
 
 def _kind(frame):
-    if frame.f_code.co_flags & _CO_OPTIMIZED:
+    if frame.f_code.co_flags & versions.CO_OPTIMIZED:
         return "function"
     if frame.f_locals is frame.f_globals:
         return "module"

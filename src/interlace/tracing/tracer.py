@@ -178,7 +178,7 @@ class Tracer(_frames.TracerBase):
             except BaseException as error:
                 # This frame cannot leave the traceback (Python adds the frame that raises);
                 # pytest and IPython hide frames that set __tracebackhide__.
-                __tracebackhide__ = True  # noqa: F841
+                __tracebackhide__ = True  # noqa: F841 - read from the frame by pytest and IPython
                 _clean(error, exc)
                 raise error  # noqa: B904 - re-raised from the traced body or backend: see the frames below
             return True
@@ -195,9 +195,9 @@ class Tracer(_frames.TracerBase):
         try:
             return _Ready(self.__exit__(exc_type, exc, tb))
         except BaseException as error:
-            __tracebackhide__ = True  # noqa: F841
+            __tracebackhide__ = True  # noqa: F841 - read from the frame by pytest and IPython
             _clean(error, None)  # __exit__'s frame goes; this one, which re-raises, stays
-            raise error  # noqa: B904
+            raise error  # noqa: B904 - re-raised as it was, its own context kept
 
     # -- what backends call ---------------------------------------------------------------
     def trace_state(self) -> TraceState:
@@ -483,10 +483,24 @@ def _check_fields(cls) -> None:
         )
 
 
+def is_interlace_file(filename: str) -> bool:
+    """Is `filename` interlace's own code (a module of the package, or a compiled source)?
+
+    The one test of "is this frame ours", for tracebacks and for finding the user's line."""
+    if filename.startswith(_PACKAGE_DIR) or filename.endswith(_NATIVE_SOURCES):
+        return True
+    return not os.path.isabs(filename) and os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
+def user_frame(frame):
+    """`frame` or the nearest frame it was called from that is not interlace's (None if none)."""
+    while frame is not None and is_interlace_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
 def _internal(tb) -> bool:
-    filename = tb.tb_frame.f_code.co_filename
-    return (filename.startswith(_PACKAGE_DIR) or filename.endswith(_NATIVE_SOURCES)
-            or os.path.abspath(filename).startswith(_PACKAGE_DIR))
+    return is_interlace_file(tb.tb_frame.f_code.co_filename)
 
 
 def _clean(error: BaseException, signal) -> None:

@@ -117,7 +117,7 @@ def take(entries, n):
 
 def _raise(error):
     raise error
-    yield  # noqa: unreachable - makes this a generator
+    yield  # unreachable: makes this a generator
 
 
 def length_of(items):

@@ -36,7 +36,7 @@ import pickle
 import sys
 import weakref
 
-from ...errors import InterlaceError
+from ...errors import MissingExtraError  # re-exported: its home is interlace.errors
 from ...intervention.edit import edits_of
 from ...intervention.envoy import child_of, engine_of, module_of
 from ...models.fingerprint import fingerprint
@@ -45,13 +45,9 @@ from ..runner import WINDOW, Runner, plan_batches
 INSTALL = "pip install 'interlace[ray]' (or pip install ray)"
 
 
-class MissingExtraError(InterlaceError, ImportError):
-    """An optional dependency a feature needs is not installed."""
-
-
 def require():
     try:
-        import ray  # noqa: F401
+        import ray  # noqa: F401 - only whether it imports
     except ImportError:
         raise MissingExtraError(
             f"executor='ray' runs a sweep on Ray, which is not installed here: {INSTALL}; "
@@ -246,7 +242,7 @@ def _schedule(ray, actors, entries, size, shared, done, sweep):
 
 def _raise_later(error):
     raise error
-    yield  # noqa: unreachable - makes this a generator
+    yield  # unreachable: makes this a generator
 
 
 def _is_callable_input(source):

@@ -1,10 +1,10 @@
 """Sweeps: activation patching of every (layer, position), four ways, ratios in one run.
 
-    python benchmarks/bench_sweep.py                         # tiny and 4-layer GPT-2, CPU, ~1 min
-    python benchmarks/bench_sweep.py --shapes gpt2-small     # the 12-layer GPT-2-small shape (slow on CPU)
-    python benchmarks/bench_sweep.py --device cuda           # bf16 on a GPU, GPT-2-small, 32 tokens
-    python benchmarks/bench_sweep.py --dataset --generate    # + 1,000 prompts, + a generation sweep
-    python benchmarks/bench_sweep.py --ray                   # + the patching sweep on 2 Ray workers
+    python benchmarks/probes/sweep.py                         # tiny and 4-layer GPT-2, CPU, ~1 min
+    python benchmarks/probes/sweep.py --shapes gpt2-small     # the 12-layer GPT-2-small shape (slow on CPU)
+    python benchmarks/probes/sweep.py --device cuda           # bf16 on a GPU, GPT-2-small, 32 tokens
+    python benchmarks/probes/sweep.py --dataset --generate    # + 1,000 prompts, + a generation sweep
+    python benchmarks/probes/sweep.py --ray                   # + the patching sweep on 2 Ray workers
 
 The four ways of running one patch per (layer, position) -- copy the clean run's block output
 at that position into the corrupted run, read a logit difference:
@@ -36,9 +36,9 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
-import interlace  # noqa: E402
+import interlace  # noqa: E402 - after the sys.path line that finds src/
 
 A, B = 5, 7  # the two tokens whose logit difference every way reads
 SHAPES = {  # name: (layers, n_embd, heads, vocab, tokens on CPU)
@@ -196,7 +196,7 @@ def _nnsight_available():
         from importlib.metadata import version
 
         return version("nnsight") == "0.8.1"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - not installed or not importable: not measured
         return False
 
 
@@ -295,7 +295,7 @@ def bench_generate(device, dtype, n=64, new=8):
 
     def sweep():
         with torch.no_grad(), lm.sweep(prompts, generate=True, progress=False, **kwargs) as sweep:
-            for step in sweep.iter[:new]:  # noqa: B007
+            for step in sweep.iter[:new]:  # noqa: B007 - the loop drives the steps
                 lm.transformer.h[0].output[:] += vector
             ids = sweep.output.save()
         return ids
@@ -304,7 +304,7 @@ def bench_generate(device, dtype, n=64, new=8):
         out = []
         for prompt in prompts:
             with torch.no_grad(), lm.generate([prompt], **kwargs) as tracer:
-                for step in tracer.iter[:new]:  # noqa: B007
+                for step in tracer.iter[:new]:  # noqa: B007 - the loop drives the steps
                     lm.transformer.h[0].output[:] += vector
                 out.append(tracer.result.save())
         return out

@@ -1,7 +1,7 @@
 """`tracer.cache()` against plain torch hooks capturing the same tensors, side by side.
 
-    python benchmarks/bench_cache.py [--rounds 40] [--tokens 32] [--threads 1]
-    INTERLACE_NO_EXTENSIONS=1 python benchmarks/bench_cache.py   # the pure-Python twin
+    python benchmarks/probes/cache.py [--rounds 40] [--tokens 32] [--threads 1]
+    INTERLACE_NO_EXTENSIONS=1 python benchmarks/probes/cache.py   # the pure-Python twin
 
 Model: GPT-2 small's shape from a `transformers` config (12 layers, n_embd 768, 12 heads,
 vocab 50257), random weights, one prompt of `--tokens` tokens, `torch.no_grad()`, one
@@ -33,9 +33,9 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
-import interlace  # noqa: E402
+import interlace  # noqa: E402 - after the sys.path line that finds src/
 
 
 def build():

@@ -1,6 +1,6 @@
 """Generation and LanguageModel tracing: interlace vs the same work with plain hooks.
 
-Run: `PYTHONPATH=src python benchmarks/bench_generate.py [--repeats N]`. Not part of the test
+Run: `PYTHONPATH=src python benchmarks/probes/generate.py [--repeats N]`. Not part of the test
 suite. Tiny GPT-2 (2 layers, n_embd 64, 4 heads, vocab 1000), built from a config, random
 weights; greedy decoding. Each case is timed `repeats` times (after warm-up), interleaved
 with its reference so machine noise hits both; the ratio of medians is reported.

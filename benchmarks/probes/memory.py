@@ -1,6 +1,6 @@
 """GPU memory after the user lets go: back to its baseline, without the cyclic collector.
 
-Run: `PYTHONPATH=src python benchmarks/bench_memory.py [--device cuda|cpu] [--layers N]
+Run: `PYTHONPATH=src python benchmarks/probes/memory.py [--device cuda|cpu] [--layers N]
 [--embd N]`. Not part of the test suite (tests/intervention/test_memory.py and
 tests/models/test_memory.py check the same cases on CPU with weakrefs). Without a GPU,
 `--device cuda` (the default) says so and exits 0; `--device cpu` runs the cases with the

@@ -1,15 +1,14 @@
 """Per-entry cost of skipping a `with` body, against `contextlib.nullcontext()`.
 
-    python benchmarks/bench_tracer.py           # this interpreter, both paths
-    python benchmarks/bench_tracer.py --all     # every .venv* interpreter in the repo
+    python benchmarks/probes/tracer.py           # this interpreter, both paths
+    python benchmarks/probes/tracer.py --all     # every .venv* interpreter in the repo
 
 Rows (median of REPEATS rounds of N entries each, the rows taking turns within a round, in
 CPU time of this process, ratios to nullcontext):
 
 * nullcontext        `with contextlib.nullcontext(): x = 1`
-* native skip, C     the compiled mechanism alone: `frames.FastSkip`, enter/exit in C,
-                     plans made by skip.plan (what a C fast path of the Tracer would cost)
-* native skip, Py    the same with __enter__/__exit__ in Python calling skip.arm/disarm
+* native skip, Py    the compiled mechanism alone, with __enter__/__exit__ in Python
+                     calling skip.arm/disarm (plans made by skip.plan)
 * native Tracer      `interlace.Tracer` with a backend that does nothing: the whole Tracer
                      (its __init__, the warm __enter__/__exit__ in C, the backend call)
 * native Tracer, Py  the same Tracer with its Python __enter__/__exit__ (the policy methods,
@@ -36,7 +35,7 @@ import time
 import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SRC = os.path.join(ROOT, "src")
 N = 20_000
 REPEATS = 15
@@ -113,8 +112,6 @@ def measure_here() -> dict:
 
     nothing = Nothing()
 
-    import types
-
     def stand_in_block(frame):
         return types.SimpleNamespace(
             filename=frame.f_code.co_filename, lineno=frame.f_lineno,
@@ -145,33 +142,6 @@ def measure_here() -> dict:
     runs = {"nullcontext": make_runner("nullcontext()", nullcontext=contextlib.nullcontext),
             "skip": make_runner("SkipOnly()", SkipOnly=SkipOnly)}
 
-    # the same site with enter/exit written in C (frames.FastSkip), plans from skip.plan
-    plans = {}
-
-    class Warmup:
-        def __enter__(self):
-            frame = sys._getframe(1)
-            plan = skip.plan(frame, stand_in_block(frame))
-            plans[(id(frame.f_code), frame.f_lasti)] = plan.arm_args
-            self.handle = skip.arm(frame, plan)
-            return self
-
-        def __exit__(self, exc_type, exc, tb):
-            skip.disarm(self.handle)
-            return True
-
-    from interlace._native import frames
-
-    fast = frames.FastSkip(plans)
-    warm = Warmup()
-
-    def run_fast(n, first=[True]):
-        for _ in range(n):
-            with (warm if first[0] else fast):
-                x = 1  # noqa: F841
-            first[0] = False
-
-    runs["fastskip"] = run_fast
     runs["tracer"] = make_runner("Tracer(backend=nothing)", Tracer=Tracer, nothing=nothing)
 
     from interlace.tracing import tracer as tracer_module
@@ -239,7 +209,6 @@ def show(r: dict) -> None:
     print(f"Python {n['python']}  (compiled extension live: {n['native']})")
     rows = [
         ("nullcontext", n["nullcontext"], base),
-        ("native skip, C enter/exit", n["fastskip"], base),
         ("native skip, Python enter/exit", n["skip"], base),
         ("native Tracer (no-op backend)", n["tracer"], base),
         ("native Tracer, Python enter/exit", n["tracer_py"], base),
@@ -250,7 +219,6 @@ def show(r: dict) -> None:
     ]
     for name, us, ref in rows:
         print(f"  {name:33s} {us:8.3f} us   {us / ref:6.2f}x nullcontext")
-    print(f"  settrace ref / native C skip     {n['settrace'] / n['fastskip']:6.2f}x")
     print(f"  settrace ref / native skip       {n['settrace'] / n['skip']:6.2f}x")
     print(f"  settrace ref / native Tracer     {n['settrace'] / n['tracer']:6.2f}x")
     print(f"  cold capture, 5,000-line file    {r['cold_ms']:8.3f} ms")

@@ -1,6 +1,6 @@
 """Work per warm trace, counted rather than timed: Python function calls and C calls.
 
-    python benchmarks/bench_calls.py [--list]
+    python benchmarks/probes/calls.py [--list]
 
 A trace's fixed cost on a shared or busy machine is hard to time (a 1 ms forward between
 traces leaves the trace's code and data cold, and other processes add noise of the same
@@ -25,7 +25,7 @@ import collections
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 
 def _count(fn, warm=5):

@@ -1,6 +1,6 @@
 """Per-event cost of the model side of interleaving: one hook call, in ns.
 
-    python benchmarks/bench_exchange.py [--events 20000] [--repeats 5]
+    python benchmarks/probes/exchange.py [--events 20000] [--repeats 5]
 
 Hooks are called directly (no module around them), so the figure is the hook's own cost:
   plain        a Python function hook that returns None / reads the value (the floor)
@@ -24,7 +24,7 @@ import time
 import torch
 from greenlet import getcurrent, greenlet
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
