@@ -175,7 +175,7 @@ class Hooks(Contender):
 
 
     def collect(self, s, items):
-        from . import bench_datasets as D
+        from .probes import datasets as D
 
         module, layers, folder = s.module, list(s.layers()), _folder()
         ids = D.windows(s.shape.vocab, items, s.shape.tokens).to(s.device)
@@ -324,7 +324,7 @@ class Interlace(Contender):
     def collect(self, s, items):
         if importlib.util.find_spec("datasets") is None:
             return None  # save_to= needs the extra: pip install 'interlace[datasets]'
-        from . import bench_datasets as D
+        from .probes import datasets as D
 
         model, folder = self.model(s), _folder()
         layers = s.layers(model)

@@ -108,7 +108,7 @@ WORKLOADS = {
                  goal="native path ≤ 2x nullcontext (the twin is reported, not held to it)"),
         Workload("datasets", f"Activation collection to disk: {COLLECT} windows, the first and last "
                              f"layers' outputs written as Arrow files (us per row; floor: a hand-"
-                             f"written hooks loop writing the same files, bench_datasets.py; issue "
+                             f"written hooks loop writing the same files, probes/datasets.py; issue "
                              f"22's goal: within 1.2x of it)",
                  lambda o: [Case(pick(o, "tiny"), "collect", pick(o, "tiny"), (COLLECT,),
                                  per_call=COLLECT)],

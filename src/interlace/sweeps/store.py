@@ -30,7 +30,6 @@ import glob
 import hashlib
 import json
 import os
-import time
 import types
 import uuid
 from collections.abc import Mapping

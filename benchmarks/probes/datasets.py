@@ -1,7 +1,7 @@
 """Activation collection to disk: `model.sweep(..., save_to=)` against a hand-written hooks loop.
 
-    python benchmarks/bench_datasets.py                  # tiny and small4 GPT-2, CPU: rows/s, MB/s
-    python benchmarks/bench_datasets.py --items 4096 --shapes small4
+    python benchmarks/probes/datasets.py                  # tiny and small4 GPT-2, CPU: rows/s, MB/s
+    python benchmarks/probes/datasets.py --items 4096 --shapes small4
 
 Both write the same files: one Arrow stream file per batch (written under a temporary name,
 synced, renamed), with the columns `index`, `item` (the token ids) and one per layer (its
@@ -116,9 +116,9 @@ def sweep(model, first, last, windows, folder, batch=BATCH):
     with torch.no_grad(), model.sweep(windows, input=lambda ids: ids[None], batch_size=batch,
                                       save_to=folder, overwrite=True, progress=False) as sweep:
         out = first.output
-        h0 = (out[0] if isinstance(out, tuple) else out)[0].save()
+        h0 = (out[0] if isinstance(out, tuple) else out)[0].save()  # noqa: F841 - saved to disk
         out = last.output
-        h1 = (out[0] if isinstance(out, tuple) else out)[0].save()
+        h1 = (out[0] if isinstance(out, tuple) else out)[0].save()  # noqa: F841 - saved to disk
         sweep.stop()  # nothing after the last layer is needed (the hooks loop stops there too)
     return sweep.results
 
@@ -168,11 +168,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     o = p.parse_args(argv)
     torch.set_num_threads(o.threads)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
     import interlace
 
     root = tempfile.mkdtemp(prefix="bench-datasets-")
-    print(f"| model | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s | sweep / hooks |")
+    print("| model | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s | sweep / hooks |")
     print("|---|---|---|---|---|---|---|")
     try:
         for shape in o.shapes.split(","):
