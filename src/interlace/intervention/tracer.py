@@ -90,6 +90,25 @@ class InterleavingTracer(IterMixin, Tracer):
             )
         return self._result
 
+    def run_untraced(self):
+        """`model.trace(*inputs, trace=False)`: run the model on this tracer's inputs with no
+        body (nothing is captured, no `with` is needed) and return its output. Inputs are
+        prepared as a trace prepares them; the wrapper's recorded edits apply (nnsight's
+        one-shot forward)."""
+        if not (self.args or self.kwargs):
+            raise InterlaceError(
+                "model.trace(trace=False) runs the model once on the inputs given to trace(); "
+                "none were given: pass them, as in model.trace(x, trace=False)"
+            )
+        model = self.model
+        try:
+            return self.engine.interleave(
+                [(_untraced, self.args, self.kwargs)], run=self._run, batcher=self._batcher,
+                edits=replays(model) if "_edits" in model.__dict__ else (),
+            )
+        finally:
+            self.release()
+
     def release(self):
         """Let go of the model once the block has run (or raised), as nnsight does: a tracer
         kept after the block (`as tracer`, an invoke's) must not keep the model, its inputs
@@ -252,6 +271,10 @@ class _InterleavingBackend(Backend):
 
 _INTERLEAVING = _InterleavingBackend()
 _INVOKE = _InvokeBackend()
+
+
+def _untraced():
+    """The body of `trace=False`: none (only the wrapper's edits act)."""
 
 
 def _body(tracer, out):
