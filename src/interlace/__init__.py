@@ -8,6 +8,7 @@ use through the module `__getattr__` below.
 from ._native import native
 from .errors import (
     BatchingWarning,
+    ForwardReplacedWarning,
     InterlaceError,
     IterationCutShortWarning,
     NotInTraceError,
@@ -42,6 +43,7 @@ __all__ = [
     "NotInTraceError",
     "IterationCutShortWarning",
     "BatchingWarning",
+    "ForwardReplacedWarning",
     "SourceNotAvailable",
     "Tracer",
     "Backend",
