@@ -173,10 +173,39 @@ def _iter_cut_short(model):
     return steps
 
 
+def _attachment(model):
+    mlp = model.transformer.h[0].mlp
+    if not hasattr(mlp, "adapter"):  # attached after wrapping, applied by an edit (attach.py)
+        mlp.adapter = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 64))
+    with model.edit() as edited:
+        m = edited.transformer.h[0].mlp
+        m.output = m.adapter(m.output, hook=True)
+    with model.trace() as tracer:  # (the unedited wrapper, then the edited one)
+        with tracer.invoke(IDS[:1]):
+            plain = model.lm_head.output.save()
+    with edited.trace() as tracer:
+        with tracer.invoke(IDS[:1]):
+            inner = edited.transformer.h[0].mlp.adapter[0].output.save()
+        with tracer.invoke(IDS[1:]):
+            logits = edited.lm_head.output.save()
+    return plain, inner, logits
+
+
+def _attachment_raises(model):
+    mlp = model.transformer.h[0].mlp
+    if not hasattr(mlp, "wrong"):  # an attachment whose forward raises (shapes do not fit)
+        mlp.wrong = torch.nn.Linear(7, 7)
+    with pytest.raises(RuntimeError):
+        with model.trace(IDS):
+            h = model.transformer.h[0].mlp.output
+            model.transformer.h[0].mlp.wrong(h, hook=True)
+    return ()
+
+
 CASES = {f.__name__.lstrip("_"): f for f in (
     _single, _invokes, _backward, _error_in_body, _out_of_order, _out_of_order_caught_in_body,
     _error_in_backward_body, _keyboard_interrupt_in_body, _keyboard_interrupt_from_a_hook,
-    _stop, _skip, _iter_cut_short,
+    _stop, _skip, _iter_cut_short, _attachment, _attachment_raises,
 )}
 
 
