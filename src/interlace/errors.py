@@ -78,6 +78,11 @@ class IterationCutShortWarning(UserWarning):
     """A `tracer.iter` loop asked for a step the run never reached; the loop ended early."""
 
 
+class ForwardReplacedWarning(UserWarning):
+    """A module's `forward` was replaced after the model was wrapped: traces run the new one,
+    but the module order learned from the old one may no longer hold."""
+
+
 class BatchingWarning(UserWarning):
     """A batched run could not give every item its own value, so some items ran alone
     (their bodies ran again: side effects repeat), or the batch size was lowered."""

@@ -173,10 +173,39 @@ def _iter_cut_short(model):
     return steps
 
 
+def _attachment(model):
+    mlp = model.transformer.h[0].mlp
+    if not hasattr(mlp, "adapter"):  # attached after wrapping, applied by an edit (attach.py)
+        mlp.adapter = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 64))
+    with model.edit() as edited:
+        m = edited.transformer.h[0].mlp
+        m.output = m.adapter(m.output, hook=True)
+    with model.trace() as tracer:  # (the unedited wrapper, then the edited one)
+        with tracer.invoke(IDS[:1]):
+            plain = model.lm_head.output.save()
+    with edited.trace() as tracer:
+        with tracer.invoke(IDS[:1]):
+            inner = edited.transformer.h[0].mlp.adapter[0].output.save()
+        with tracer.invoke(IDS[1:]):
+            logits = edited.lm_head.output.save()
+    return plain, inner, logits
+
+
+def _attachment_raises(model):
+    mlp = model.transformer.h[0].mlp
+    if not hasattr(mlp, "wrong"):  # an attachment whose forward raises (shapes do not fit)
+        mlp.wrong = torch.nn.Linear(7, 7)
+    with pytest.raises(RuntimeError):
+        with model.trace(IDS):
+            h = model.transformer.h[0].mlp.output
+            model.transformer.h[0].mlp.wrong(h, hook=True)
+    return ()
+
+
 CASES = {f.__name__.lstrip("_"): f for f in (
     _single, _invokes, _backward, _error_in_body, _out_of_order, _out_of_order_caught_in_body,
     _error_in_backward_body, _keyboard_interrupt_in_body, _keyboard_interrupt_from_a_hook,
-    _stop, _skip, _iter_cut_short,
+    _stop, _skip, _iter_cut_short, _attachment, _attachment_raises,
 )}
 
 
@@ -210,3 +239,84 @@ def test_a_wrapped_model_is_not_a_reference_cycle(gpt2):
         refs = [weakref.ref(model), weakref.ref(leaf), weakref.ref(model.transformer.h)]
         del model, leaf
         assert [r() for r in refs] == [None, None, None]
+
+
+# -- a tracer kept after its block does not keep the model alive (nnsight frees it too) --------
+# Each case returns what the user keeps (tracers, caches, the error) and what it saved; the
+# model must be freed anyway, with the collector off, while those are still held.
+
+
+def _kept_tracer(model):
+    with model.trace(IDS) as tracer:
+        h = model.transformer.h[0].output.save()
+    return [tracer], h
+
+
+def _kept_invoke_tracers(model):
+    invokers = []
+    with model.trace() as tracer:
+        with tracer.invoke(IDS[:1]) as first:
+            h = model.transformer.h[0].output.save()
+        with tracer.invoke(IDS[1:]) as second:
+            logits = model.lm_head.output.save()
+        invokers.extend([first, second])
+    return [tracer, *invokers], (h, logits)
+
+
+def _kept_tracer_body_raised(model):
+    with pytest.raises(ValueError, match="boom"):
+        with model.trace(IDS) as tracer:
+            model.transformer.h[0].output.save()
+            raise ValueError("boom")
+    return [tracer], ()
+
+
+def _kept_cache(model):
+    with model.trace(IDS) as tracer:
+        cache = tracer.cache(modules=[model.transformer.h[0], model.lm_head])
+    return [tracer, cache], [cache["model.transformer.h.0"].output[0], cache["model.lm_head"].output]
+
+
+KEPT = {f.__name__.lstrip("_"): f for f in (
+    _kept_tracer, _kept_invoke_tracers, _kept_tracer_body_raised, _kept_cache,
+)}
+
+
+@pytest.mark.parametrize("case", sorted(KEPT))
+def test_a_kept_tracer_does_not_keep_the_model(case):
+    held = []  # what the user keeps: alive while the check runs
+
+    def run():
+        held.clear()
+        module = _gpt2()
+        model = interlace.Model(module)
+        refs = {"module": weakref.ref(module), "wrapper": weakref.ref(model)}
+        for _ in range(2):
+            kept, saved = KEPT[case](model)
+            held.append((kept, saved))
+        return refs
+
+    run()  # once before: what torch and transformers build lazily on first use
+    gc.collect()
+    with collector_off():
+        refs = run()
+        alive = sorted(name for name, ref in refs.items() if ref() is not None)
+        assert not alive, f"a kept tracer keeps the model alive (the collector is off): {alive}"
+        assert held and all(kept for kept, _ in held)
+
+
+def test_a_kept_tracer_still_has_the_result_and_the_cache_its_values(gpt2):
+    """What the run produced stays with the tracer and the cache; the model is dropped."""
+    model = interlace.Model(gpt2)
+    with model.trace(IDS) as tracer:
+        cache = tracer.cache(modules=[model.transformer.h[0]])
+    expected = gpt2(IDS)
+    hidden = []
+    handle = gpt2.transformer.h[0].register_forward_hook(lambda m, a, out: hidden.append(out[0]))
+    try:
+        gpt2(IDS)
+    finally:
+        handle.remove()
+    assert torch.equal(tracer.result.logits, expected.logits)
+    assert torch.equal(cache["model.transformer.h.0"].output[0], hidden[0])
+    assert tracer.model is None

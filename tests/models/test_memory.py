@@ -69,3 +69,32 @@ def test_language_model_is_freed_by_refcounting(model_dirs, case, where):
         return refs
 
     assert_freed(run, where)
+
+
+def test_a_kept_generation_tracer_does_not_keep_the_model(model_dirs):
+    """`as tracer` kept after a generation (and an invoke's tracer): the model is freed anyway,
+    and `tracer.result` (the generated ids) stays."""
+    import gc
+
+    from intervention.memcheck import collector_off
+
+    held = []
+
+    def run():
+        held.clear()
+        lm = interlace.LanguageModel(model_dirs["gpt2"])
+        refs = {"module": weakref.ref(lm._module), "wrapper": weakref.ref(lm)}
+        with lm.generate(max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+            with tracer.invoke(PROMPT) as invoker:
+                logits = lm.lm_head.output.save()
+            held.append(invoker)
+        held.extend([tracer, len(lm.tokenizer(PROMPT)["input_ids"])])
+        return refs
+
+    run()
+    gc.collect()
+    with collector_off():
+        refs = run()
+        assert [name for name, ref in refs.items() if ref() is not None] == []
+    tracer, prompt_length = held[1], held[2]
+    assert tracer.result.shape == (1, prompt_length + 2)  # the prompt, then 2 new ids

@@ -228,3 +228,36 @@ def test_gradients_equal_autograd(lm, hf_model, hf_tokenizer, arch):
             grad = h.grad.save()
     torch.testing.assert_close(grad, ref)
     assert grad.abs().sum() > 0
+
+
+# -- trace=False and tracer_cls= (nnsight 0.8.1's keywords of trace and generate) -----------
+
+
+def test_trace_false_tokenizes_and_returns_the_forwards_output(lm, hf_model, hf_tokenizer):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+    with torch.no_grad():
+        out = lm.trace(PROMPTS[1], trace=False)
+        expected = hf_model(ids)
+    assert torch.equal(out.logits, expected.logits)
+
+
+def test_generate_trace_false_returns_what_generate_returns(lm, hf_model, hf_tokenizer):
+    ids = encode(hf_tokenizer, PROMPTS[1])
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    out = lm.generate(PROMPTS[1], trace=False, **kwargs)
+    # (one unpadded prompt: the pad id given only silences transformers' warning)
+    expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 pad_token_id=hf_tokenizer.eos_token_id, **kwargs)
+    assert torch.equal(out, expected)
+
+
+def test_tracer_cls_on_trace_and_generate(lm):
+    from interlace.models.language_model import LanguageTracer
+
+    class Mine(LanguageTracer):
+        pass
+
+    assert type(lm.trace(PROMPTS[0], tracer_cls=Mine)) is Mine
+    with lm.generate(PROMPTS[0], max_new_tokens=2, tracer_cls=Mine) as tracer:
+        logits = lm.lm_head.output.save()
+    assert type(tracer) is Mine and logits.shape[-1] == lm.lm_head.out_features

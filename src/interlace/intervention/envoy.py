@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..errors import InterlaceError, NotInTraceError
+from . import attach
 from .engine import Engine
 from .source import module_source
 
@@ -77,7 +78,8 @@ class Envoy:
             child = engine.envoys.get(index) if index is not None else None
             if child is None:
                 path = engine.state.paths[index] if index is not None else f"{self._path}.{name}"
-                cls = _envoy_class(engine.envoy_classes, module, path)
+                # (a module added after wrapping is an attachment: attach.py)
+                cls = _envoy_class(engine.envoy_classes, module, path) if index is not None else Attached
                 child = cls(module, path, _engine=engine, _index=index, _parent=self)
                 if index is not None:
                     engine.envoys[index] = child
@@ -339,12 +341,68 @@ class Envoy:
         (see intervention/source.py)."""
         return module_source(self)
 
-    def __call__(self, *args, **kwargs):
-        """Run the module. Inside a trace body it runs as a plain module (no hooks fire)."""
+    def __call__(self, *args, hook=False, **kwargs):
+        """Run the module. Inside a trace body it runs as a plain module (no hooks fire);
+        `hook=True` runs a module attached after wrapping *watched*: its internals are
+        locations of the run, as nnsight's `envoy(x, hook=True)` (see attach.py)."""
         interleaver = self._engine.active()
         if interleaver is not None and interleaver.current is not None:
-            return interleaver.call_plain(self._module, args, kwargs)
+            module = self._module
+            if hook and attach.is_attached(interleaver, module):
+                return attach.call(interleaver, module, self._path, args, kwargs)
+            return interleaver.call_plain(module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+class Attached(Envoy):
+    """The Envoy of a module added to the tree after wrapping (an adapter, a LoRA, an SAE):
+    its values are those of the calls a body makes as `envoy(x, hook=True)`, per invoke
+    (attach.py). `skip()` and `.source` are not supported on it."""
+
+    def _event(self, what, which):
+        interleaver = self._engine.running
+        if interleaver is None:
+            raise attach.not_watched(self._path, what)
+        mediator = interleaver.mediator(f"{self._path}.{what}")
+        key = attach.key(interleaver, self._module, self._path, mediator.rows) + which
+        return interleaver.request(key, mediator)
+
+    @property
+    def output(self):
+        return self._event("output", 1).value
+
+    @output.setter
+    def output(self, value):
+        event = self._event("output", 1)
+        event.value = value
+        event.replaced = True
+
+    @property
+    def inputs(self):
+        args, kwargs = self._event("inputs", 0).value
+        return args, kwargs
+
+    @inputs.setter
+    def inputs(self, value):
+        event = self._event("inputs", 0)
+        event.value = as_inputs(value, self._path)
+        event.replaced = True
+
+    @property
+    def input(self):
+        return first_input(self._event("input", 0).value, self._path)
+
+    @input.setter
+    def input(self, value):
+        event = self._event("input", 0)
+        event.value = with_first_input(event.value, value, self._path)
+        event.replaced = True
+
+    def skip(self, value):
+        raise InterlaceError(
+            f"{self._path}.skip(): {self._path} was added to the model after it was wrapped "
+            f"(an attachment): instead of skipping it, do not call it"
+        )
 
 
 def module_of(envoy) -> torch.nn.Module:

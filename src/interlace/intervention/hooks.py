@@ -18,6 +18,8 @@ from __future__ import annotations
 
 
 import inspect
+import sys
+import warnings
 import weakref
 
 import torch
@@ -25,6 +27,7 @@ from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
 from .._native import hotpath
+from ..errors import ForwardReplacedWarning
 from .batching import swap
 
 _MISSING = object()
@@ -91,7 +94,10 @@ def _hook(run, key, index):
     run.hub.observe(key)
     tap = run.taps.get(index)
     if tap is None:
-        module = run.state.modules[index]
+        state = run.state
+        module = state.modules[index]
+        if module.__dict__.get("forward") is not state.forwards[index]:
+            check_forward(run, index, module)
         if not _tappable(module):
             if key & 1:
                 run.handles[key] = attach(module, run.post_hook(key), False)
@@ -108,6 +114,53 @@ def _hook(run, key, index):
     else:
         tap.pre = key
     run.handles[key] = None  # nothing to detach: the tap goes as a whole (`remove`)
+
+
+# Set on the forwards a run installs itself (a skip's override, `.source`'s rewritten copy).
+OURS = "__interlace_forward__"
+
+
+def mark(forward):
+    """Mark `forward` as one a run installs (not a user's replacement: `check_forward`)."""
+    setattr(forward, OURS, True)
+    return forward
+
+
+def check_forward(run, index, module):
+    """Module `index`'s instance `forward` is not the one it had when the model was wrapped:
+    warn once per module (nnsight warns too), unless the run or a library that keeps the
+    slot put it there: a Tap (another run's, a nested trace's), a forward a run installs,
+    accelerate's alignment wrapper (`_hf_hook`), nnsight's controller."""
+    state = run.state
+    forward = module.__dict__.get("forward")
+    if (index in state.forward_warned or type(forward) is hotpath.Tap
+            or getattr(forward, OURS, False) or "_hf_hook" in module.__dict__
+            or "__nnsight__" in module.__dict__):
+        return
+    state.forward_warned.add(index)
+    path = state.paths[index]
+    what = getattr(forward, "__qualname__", None) or type(forward).__name__
+    filename, lineno = _user_frame()
+    warnings.warn_explicit(ForwardReplacedWarning(
+        f"{path}: `forward` was replaced after the model was wrapped (now {what}). Traces run "
+        f"the new forward, with this module's values around it, but the module order learned "
+        f"on the model's first trace came from the old one: if the new forward calls other "
+        f"modules, or in another order, requests can be refused as out of order. Wrap the "
+        f"model after replacing `forward` (or put the original back)"
+    ), ForwardReplacedWarning, filename, lineno)
+
+
+def _user_frame():
+    """(filename, lineno) of the innermost frame outside interlace (the body's line)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<interlace>", 0
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+_PACKAGE_DIR = __file__.rsplit("intervention", 1)[0]
 
 
 def _tappable(module):
@@ -187,6 +240,7 @@ def override_forward(run, index):
     original = module.forward if tap is None else tap.original
     skips = run.skips
 
+    @mark
     def forward(*args, **kwargs):
         pending = skips.get(index) if not run.bypass else None
         if pending is not None and len(pending) == 1 and pending[0][0] is None:

@@ -29,7 +29,7 @@ from greenlet import getcurrent
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
 from ..tracing.tracer import user_frame
-from . import compiled, grads, hooks
+from . import attach, compiled, grads, hooks
 from .batching import RunAlone, expand, leaf, map_leaves, narrow, put, swap
 from .mediator import (
     DONE,
@@ -250,6 +250,8 @@ class Interleaver(hotpath.Exchange):
                 message = mediator.start()
             finally:
                 self.current = None
+            if type(message) is attach.WatchedCall:
+                message = attach.serve(self, mediator, message, None)
             if message == FAILED or message == STOPPED:
                 self._handle(mediator, message)
             if self.stopped or self.failure is not None:
@@ -335,6 +337,10 @@ class Interleaver(hotpath.Exchange):
 
     def _message(self, mediator, message, event):
         """A body served `event` came back with anything but PARKED."""
+        if type(message) is attach.WatchedCall:  # it calls an attachment (attach.py)
+            message = attach.serve(self, mediator, message, event)
+            if message == PARKED:
+                return
         if message == DONE or message == FAILED:
             mediator._release()
         if message != DONE:

@@ -181,7 +181,8 @@ class IterMixin:
         return Iteration(self._running_mediator, slice(None), text="all()")
 
     def _running_mediator(self, what):
-        interleaver = engine_of(self.model).active()
+        model = self.model  # (None once a trace's block has run: it lets go of the model)
+        interleaver = None if model is None else engine_of(model).active()
         if interleaver is None or interleaver.current is None:
             raise InterlaceError(
                 f"{what} works only inside the body of a running trace or generation "

@@ -709,6 +709,7 @@ def _module_run(il, envoy, compiled):
         hook = _RunHook(run)
         copy = _rebuild(chain, compiled.function(inner, hook))
         setattr(copy, _COPY_OF, function)
+        hooks.mark(copy)  # installed by the run, not a user's replacement
         installed = copy if receiver is None else types.MethodType(copy, receiver)
         previous = hooks.forward_of(module)
         hooks.set_forward(module, installed)

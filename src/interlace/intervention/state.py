@@ -32,6 +32,10 @@ class ModelState:
             self.index[id(module)] = len(self.modules)
             self.modules.append(module)
             self.paths.append("model." + name if name else "model")
+        # Each module's instance `forward` as it was when the model was wrapped (None: the
+        # class's), and the modules warned about since (hooks.check_forward).
+        self.forwards = [m.__dict__.get("forward") for m in self.modules]
+        self.forward_warned = set()
         by_path = {path: i for i, path in enumerate(self.paths)}
         # ancestors[i]: the modules that contain module i and are themselves called (root and
         # containers without a forward of their own, ModuleList/ModuleDict, excluded)

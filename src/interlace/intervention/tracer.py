@@ -71,7 +71,7 @@ class InterleavingTracer(IterMixin, Tracer):
 
     def stop(self):
         """End the forward pass here; the body ends too, and what it saved so far is kept."""
-        interleaver = self.engine.active()
+        interleaver = None if self.engine is None else self.engine.active()
         if interleaver is None:
             raise InterlaceError("tracer.stop() works only inside the body of a running trace")
         interleaver.stop()
@@ -79,7 +79,8 @@ class InterleavingTracer(IterMixin, Tracer):
     @property
     def result(self):
         """The model's return value: inside the body it waits for the run to end."""
-        interleaver = self.engine.active()
+        engine = self.engine
+        interleaver = None if engine is None else engine.active()
         if interleaver is not None and interleaver.current is not None:
             return interleaver.read(interleaver.state.result_key)
         if self._result is _NOT_YET:
@@ -88,6 +89,33 @@ class InterleavingTracer(IterMixin, Tracer):
                 "(it waits for the model to finish) or after the block"
             )
         return self._result
+
+    def run_untraced(self):
+        """`model.trace(*inputs, trace=False)`: run the model on this tracer's inputs with no
+        body (nothing is captured, no `with` is needed) and return its output. Inputs are
+        prepared as a trace prepares them; the wrapper's recorded edits apply (nnsight's
+        one-shot forward)."""
+        if not (self.args or self.kwargs):
+            raise InterlaceError(
+                "model.trace(trace=False) runs the model once on the inputs given to trace(); "
+                "none were given: pass them, as in model.trace(x, trace=False)"
+            )
+        model = self.model
+        try:
+            return self.engine.interleave(
+                [(_untraced, self.args, self.kwargs)], run=self._run, batcher=self._batcher,
+                edits=replays(model) if "_edits" in model.__dict__ else (),
+            )
+        finally:
+            self.release()
+
+    def release(self):
+        """Let go of the model once the block has run (or raised), as nnsight does: a tracer
+        kept after the block (`as tracer`, an invoke's) must not keep the model, its inputs
+        or its strategies alive. What the run produced (`result`) stays."""
+        self.model = self.engine = self._run = self._batcher = None
+        self.args = ()
+        self.kwargs = {}
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -199,6 +227,12 @@ class _InvokeRun:
 
 class _InterleavingBackend(Backend):
     def __call__(self, tracer):
+        try:
+            self.run(tracer)
+        finally:
+            tracer.release()
+
+    def run(self, tracer):
         engine = tracer.engine
         if tracer.args or tracer.kwargs:
             values = {}
@@ -237,6 +271,10 @@ class _InterleavingBackend(Backend):
 
 _INTERLEAVING = _InterleavingBackend()
 _INVOKE = _InvokeBackend()
+
+
+def _untraced():
+    """The body of `trace=False`: none (only the wrapper's edits act)."""
 
 
 def _body(tracer, out):

@@ -16,7 +16,7 @@ from .fingerprint import fingerprint
 from .inputs import POSITION_IDS, PromptBatcher
 from .inputs import UnknownKeywordError  # noqa: F401 - raised by trace/generate: importable here
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
-from .model import Model
+from .model import Model, tracer_class
 
 
 class LanguageModel(Model):
@@ -96,7 +96,7 @@ class LanguageModel(Model):
 
     # --- tracing and generation ------------------------------------------------------
 
-    def trace(self, *args, remote=False, **kwargs):
+    def trace(self, *args, remote=False, trace=True, tracer_cls=None, **kwargs):
         """`with model.trace(prompt, **forward_kwargs) as tracer:` - one forward pass.
 
         `prompt` is text, a list of texts, token ids or a tokenizer's output; several prompts
@@ -104,14 +104,18 @@ class LanguageModel(Model):
         Without a prompt, give each one its own `with tracer.invoke(prompt):`. Other keywords
         (`output_hidden_states=True`, ...) go to the model's forward for the whole batch and
         are checked now: transformers' forward would silently ignore a misspelt one.
+        `trace=False` runs the forward on the prompt now and returns its output (no block);
+        `tracer_cls=` makes another `InterleavingTracer` subclass (as `Model.trace`).
         """
         check_remote(remote, "model.trace")
+        cls = tracer_class(tracer_cls, InterleavingTracer, "model.trace")
         prompt, rest = _split_prompt(kwargs)
         self.check_forward_kwargs(rest)
         run = _Forward(module_of(self), rest) if rest else None
-        return InterleavingTracer(self, args, prompt, run=run)
+        tracer = cls(self, args, prompt, run=run)
+        return tracer if trace else tracer.run_untraced()
 
-    def generate(self, *args, remote=False, **kwargs):
+    def generate(self, *args, remote=False, trace=True, tracer_cls=None, **kwargs):
         """`with model.generate(prompt, max_new_tokens=N, **generate_kwargs) as tracer:`.
 
         Runs `transformers` generation with the body interleaved. Each new token is one call
@@ -120,15 +124,19 @@ class LanguageModel(Model):
         `tracer.result` is what `generate` returns (the prompt ids followed by the new ones).
         Without a prompt (`model.generate(max_new_tokens=N)`), give each prompt its own
         `with tracer.invoke(prompt):`; the keywords here apply to the whole generation.
+        `trace=False` generates now and returns what `generate` returns (no block);
+        `tracer_cls=` as in `trace`.
         """
         check_remote(remote, "model.generate")
+        cls = tracer_class(tracer_cls, InterleavingTracer, "model.generate")
         prompt, rest = _split_prompt(kwargs)
         module = module_of(self)
         config = getattr(module, "generation_config", None)
         if "pad_token_id" not in rest and getattr(config, "pad_token_id", None) is None:
             # The id we pad with; transformers would otherwise log a warning per generation.
             rest["pad_token_id"] = _inputs.pad_token_id(self.tokenizer)
-        return InterleavingTracer(self, args, prompt, run=_Generation(module, rest))
+        tracer = cls(self, args, prompt, run=_Generation(module, rest))
+        return tracer if trace else tracer.run_untraced()
 
     def sweep(self, items, input=None, *, batch_size=None, progress=True, executor="local",
               workers=None, generate=False, save_to=None, overwrite=False, **kwargs):

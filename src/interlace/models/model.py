@@ -73,15 +73,18 @@ class Model(Envoy):
 
     # -- tracing ---------------------------------------------------------------------------
 
-    def trace(self, *args, remote=False, **kwargs):
+    def trace(self, *args, remote=False, trace=True, tracer_cls=None, **kwargs):
         """`with model.trace(*inputs) as tracer:` - the body runs interleaved with the forward.
 
         With no inputs, put each input in a `with tracer.invoke(*inputs):` block inside the
-        body; the invokes run batched in one forward pass.
+        body; the invokes run batched in one forward pass. `trace=False` runs the model on
+        the inputs now, with no block, and returns its output (recorded edits apply);
+        `tracer_cls=` makes another `InterleavingTracer` subclass, built as this one is.
         """
         if remote is not False:
             check_remote(remote, "model.trace")
-        return InterleavingTracer(self, args, kwargs)
+        tracer = tracer_class(tracer_cls, InterleavingTracer, "model.trace")(self, args, kwargs)
+        return tracer if trace else tracer.run_untraced()
 
     def wrapper_recipe(self):
         """How to make this wrapper again elsewhere (a Ray worker): `(cls, args, kwargs,
@@ -168,6 +171,19 @@ class Model(Envoy):
                 # unedited): one call of the module on the inputs as given
                 return engine.interleave([(_noop, args, kwargs)], batcher=AS_GIVEN, edits=edits)
         return Envoy.__call__(self, *args, **kwargs)
+
+
+def tracer_class(given, default, what):
+    """The tracer class `what(tracer_cls=given)` builds: `default`, or `given`, a subclass of
+    `InterleavingTracer` made with the arguments `default` is made with."""
+    if given is None:
+        return default
+    if not (isinstance(given, type) and issubclass(given, InterleavingTracer)):
+        raise TypeError(
+            f"{what}(tracer_cls={given!r}): tracer_cls= takes a subclass of "
+            f"interlace.intervention.tracer.InterleavingTracer (made as {default.__name__} is)"
+        )
+    return given
 
 
 AS_GIVEN = Batcher()  # one invoke's inputs, as given (Batcher.as_given)
