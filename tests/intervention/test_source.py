@@ -19,6 +19,7 @@ import torch
 
 import interlace
 from interlace import InterlaceError, OutOfOrderError, SourceNotAvailable
+from interlace.intervention import rewrite
 from interlace.intervention import source as source_module
 
 from . import memcheck
@@ -86,7 +87,7 @@ def _all_forwards_original(module):
     hooks = (source_module._SharedHook, source_module._RunHook)
     for sub in module.modules():
         function, _ = source_module._forward_of(sub, "x")
-        inner, _ = source_module._peel(function)
+        inner, _ = rewrite.peel(function)
         assert not any(isinstance(c, hooks) for c in inner.__code__.co_consts), type(sub)
 
 
@@ -889,8 +890,8 @@ def test_reading_outside_a_trace(gpt2e):
 
 def test_rewritten_forwards_are_bounded_and_evicted_ones_still_work(monkeypatch, tmp_path):
     """A program that keeps making model classes does not keep every rewritten forward."""
-    monkeypatch.setattr(source_module, "_CACHE_MAX", 2)
-    monkeypatch.setattr(source_module, "_CACHE", {})
+    monkeypatch.setattr(rewrite, "_CACHE_MAX", 2)
+    monkeypatch.setattr(rewrite, "_CACHE", {})
     classes = []
     for scale in (1, 2, 3, 4):  # four forwards, four code objects, each in its own file
         path = tmp_path / f"scaled_{scale}.py"
@@ -915,4 +916,4 @@ def test_rewritten_forwards_are_bounded_and_evicted_ones_still_work(monkeypatch,
                 out = model.output.save()
             torch.testing.assert_close(y, torch.tanh(x), rtol=0, atol=0)
             torch.testing.assert_close(out, torch.full_like(x, float(scale)), rtol=0, atol=0)
-            assert len(source_module._CACHE) <= 2
+            assert len(rewrite._CACHE) <= 2

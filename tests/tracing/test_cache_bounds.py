@@ -14,7 +14,7 @@ import weakref
 import pytest
 
 from interlace import Tracer, save
-from interlace.tracing import blocks, sites, source
+from interlace.tracing import block, blocks, sites, source
 
 SITE = """\
 def run(T, k):
@@ -157,7 +157,7 @@ def test_a_multi_item_body_is_described_exactly_as_long_as_its_code_lives(cells,
         if type(verdict) is blocks.Block:
             held.update(id(code) for code in verdict._functions.values())
             held.update(id(function.__code__) for function in verdict.callables.values())
-    ours = [key for key, entry in blocks._SYNTHETIC.items()
+    ours = [key for key, entry in block.SYNTHETIC.items()
             if entry[0]() is not None and entry[0]().co_filename.startswith("<interlace-test-cell-")]
     assert 0 < len(ours) <= blocks.BLOCKS_LIMIT
     assert set(ours) <= held

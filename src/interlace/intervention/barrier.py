@@ -25,6 +25,11 @@ only when the run ends, if at all): `barrier()` raises at once when `n` is more 
 trace's invokes, a waiting body gets the error as soon as too few bodies are left to fill it,
 and at the latest when the run ends. The error is a `BarrierError` (an `InterlaceError` and
 a `ValueError`, as nnsight raises) naming where the barrier was made and who arrived.
+
+The bodies waiting at a run's barriers are that run's `Holds`, a participant in its control
+flow (`Interleaver.join`): a body let go is resumed when the body that let it go pauses, a
+wait that can no longer be filled ends when a body ends, and one left at the run's end gets
+its barrier's error.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import BarrierError  # re-exported: its home is interlace.errors
+from .mediator import PARKED, StopSignal
 
 
 class Barrier:
@@ -62,6 +68,7 @@ class Barrier:
                 f"after it"
             )
         mediator = interleaver.mediator("barrier()")
+        holds = Holds.of(interleaver)
         if self._run is not interleaver:
             self._waiting = []
             self._run = interleaver
@@ -82,15 +89,15 @@ class Barrier:
         if len(self._waiting) >= self.n:  # the last one: let the others go, carry on
             others, self._waiting = self._waiting[:-1], []
             for other in others:
-                interleaver.release(other)
+                holds.release(other)
             return
         error = self.hopeless(interleaver, mediator)
         if error is not None:
             self._waiting.remove(mediator)
             raise error
-        interleaver.hold(mediator, self)
+        holds.hold(mediator, self)
 
-    # -- what the interleaver asks a holder (see `Interleaver.hold`) ----------------------------
+    # -- what the run's Holds asks a barrier ----------------------------------------------------
 
     def hopeless(self, interleaver, mediator):
         """The error for `mediator` if the bodies still running can no longer fill this round."""
@@ -128,6 +135,67 @@ class Barrier:
         """Teardown of the run: the bodies are gone, so is this round."""
         self._waiting = []
         self._run = None
+
+
+class Holds:
+    """The bodies waiting at a run's barriers, and those let go: the run's participant
+    (`Interleaver.join`), made when a body first waits at a barrier in that run."""
+
+    __slots__ = ("held", "released", "hopeless")
+
+    def __init__(self):
+        self.held = {}  # mediator -> the Barrier it waits at, until released
+        self.released = []  # held bodies let go: resumed when the body running now pauses
+        self.hopeless = []  # (mediator, error): waits that can no longer be filled
+
+    @staticmethod
+    def of(interleaver):
+        holds = interleaver.extensions.get("barriers")
+        if holds is None:
+            holds = interleaver.extensions["barriers"] = Holds()
+            interleaver.join(holds)
+        return holds
+
+    def hold(self, mediator, barrier):
+        """Body side: park `mediator` (the model runs on) until another body `release`s it."""
+        self.held[mediator] = barrier
+        mediator.event = None
+        mediator.wait(PARKED)
+
+    def release(self, mediator):
+        """Body side: a held body goes on, at the model's current place, as soon as the
+        calling body pauses or ends."""
+        if self.held.pop(mediator, None) is not None:
+            self.released.append(mediator)
+
+    # -- the participant protocol (Interleaver.join) --------------------------------------------
+
+    def paused(self, interleaver, mediator):
+        """A body ended: the waits that can no longer be filled end with their error."""
+        if not mediator.finished or not self.held:
+            return
+        ended = [(m, barrier, barrier.hopeless(interleaver, m)) for m, barrier in self.held.items()]
+        for waiter, barrier, error in ended:
+            if error is not None and self.held.pop(waiter, None) is not None:
+                barrier.drop(waiter)
+                self.hopeless.append((waiter, error))
+
+    def ready(self, interleaver):
+        if not self.released and not self.hopeless:
+            return ()
+        ready = [(mediator, None) for mediator in self.released] + self.hopeless
+        self.released, self.hopeless = [], []
+        return ready
+
+    def finish(self, interleaver):
+        """The run is over: bodies let go learn it ended; held ones get their barrier's error."""
+        ending = [(mediator, None) for mediator in self.released]
+        ending += [(mediator, StopSignal() if interleaver.stopped else barrier.never_filled(interleaver, mediator))
+                   for mediator, barrier in self.held.items()]
+        for mediator, barrier in self.held.items():
+            barrier.drop(mediator)
+        self.held, self.released, self.hopeless = {}, [], []
+        return ending
 
 
 def _bodies(interleaver):

@@ -42,7 +42,7 @@ from .mediator import (
     _is_grad_enabled,
     _set_grad_enabled,
 )
-from .sharing import MISSING, WAIT, Sharing, shares
+from .sharing import Sharing, shares
 
 
 class _Abort(BaseException):
@@ -81,8 +81,8 @@ class Interleaver(hotpath.Exchange):
         self.extensions = {}  # per-run state of features built on this engine (source.py)
         self.cleanups = []  # callables that undo what those features installed, run at teardown
         self.observers = {}  # key -> [fn(occ, value)]: see post-edit values (cache.py)
-        self.held = {}  # mediator -> what holds it (a Barrier, barrier.py), until released
-        self.released = []  # held bodies let go: resumed when the body running now pauses
+        # Participants in the run's control flow (sharing.Sharing, barrier.Holds): see `join`.
+        self.participants = []
         self.reset()
 
     def reset(self, backward=False):
@@ -177,8 +177,7 @@ class Interleaver(hotpath.Exchange):
         mediators = self.mediators
         if len(mediators) > 1 and shares(mediators):
             self.shared = Sharing(mediators)
-            self.paused = self._paused
-            self.together = True
+            self.join(self.shared)
         self._start()
         aborted = stopped = False
         result = None
@@ -225,8 +224,7 @@ class Interleaver(hotpath.Exchange):
                 if event is not None and event.replaced:
                     result = event.value
         self.done = True
-        if self.failure is None and (hub.nparked or self.stopper is not None or self.held
-                                     or self.released or self.shared is not None):
+        if self.failure is None and (hub.nparked or self.stopper is not None or self.participants):
             self._finish_parked()
         failure = self.failure
         if failure is None:
@@ -256,9 +254,9 @@ class Interleaver(hotpath.Exchange):
                 self._handle(mediator, message)
             if self.stopped or self.failure is not None:
                 return
-            if self.shared is not None or self.held or self.released:
+            if self.participants:
                 try:
-                    self._share(mediator, None)
+                    self._wake(mediator, None)
                 except (_Abort, _Stop):
                     pass  # a body it resumed failed or stopped: recorded by `_handle`
                 if self.stopped or self.failure is not None:
@@ -276,19 +274,9 @@ class Interleaver(hotpath.Exchange):
 
     def _finish_parked(self):
         """The run is over: every body still waiting learns why (error, cut short, stop)."""
-        waiters = self.shared.waiters if self.shared is not None else ()
-        if (not waiters and not self.hub.nparked and self.stopper is None
-                and not self.held and not self.released):
+        if not self.hub.nparked and self.stopper is None and not self.participants:
             return
-        for name, mediator in waiters:
-            if not mediator.finished:
-                signal = StopSignal() if self.stopped else NameError(
-                    f"name {name!r} is not defined: the earlier invoke that assigns it never "
-                    f"got there before the run ended"
-                )
-                self._end_with(mediator, signal)
-        if self.shared is not None:
-            self.shared.waiters = []
+        self._finish_participants()
         hub = self.hub
         waiting = [(None, None, self.stopper)] if self.stopper is not None else []
         waiting += hub.drain()
@@ -305,22 +293,22 @@ class Interleaver(hotpath.Exchange):
             else:
                 signal = OutOfOrderError(self._never_message(key, occ))
             self._end_with(mediator, signal)
-        while self.held or self.released:  # barriers (barrier.py)
-            while self.released:
-                mediator = self.released.pop(0)
-                if not mediator.finished:
-                    self._end_with(mediator, None)  # a request now says the run has ended
-            held = list(self.held.items())
-            self.held = {}
-            signals = [StopSignal() if self.stopped else holder.never_filled(self, mediator)
-                       for mediator, holder in held]
-            for (mediator, holder), signal in zip(held, signals):
-                holder.drop(mediator)
-                if not mediator.finished:
-                    self._end_with(mediator, signal)
+        self._finish_participants()
         for message, filename, lineno in self.cut_short:
             warnings.warn_explicit(IterationCutShortWarning(message), IterationCutShortWarning,
                                    filename, lineno)
+
+    def _finish_participants(self):
+        """End the waits of the participants' bodies (`finish`), until none waits."""
+        participants = self.participants
+        ending = True
+        while ending:
+            ending = False
+            for participant in participants:
+                for mediator, signal in participant.finish(self):
+                    ending = True
+                    if not mediator.finished:
+                        self._end_with(mediator, signal)
 
     def _handle(self, mediator, message):
         if message == FAILED:
@@ -353,8 +341,8 @@ class Interleaver(hotpath.Exchange):
     def _paused(self, mediator, event):
         if self.copies:
             self._check_copies(mediator)
-        if self.shared is not None or self.held or self.released:
-            self._share(mediator, event)
+        if self.participants:
+            self._wake(mediator, event)
 
     def _check_copies(self, mediator):
         """`mediator` paused or ended: a shared value it edited in place (its own copy, see
@@ -387,37 +375,22 @@ class Interleaver(hotpath.Exchange):
         if message != PARKED:
             self._message(mediator, message, event)
 
-    def _share(self, mediator, event):
-        """`mediator` paused or ended: publish its variables, wake bodies waiting for them
-        (for a variable, or released from a barrier)."""
-        shared = self.shared
-        if shared is not None:
-            shared.publish(mediator)
-        if self.held and mediator.finished:
-            self._check_held(event)
+    def _wake(self, mediator, event):
+        """`mediator` paused or ended: each participant hears of it (`paused`), and the bodies
+        they let go (`ready`) are resumed, each heard of in turn, until none is ready."""
+        participants = self.participants
+        for participant in participants:
+            participant.paused(self, mediator)
         progress = True
-        while progress and ((shared is not None and shared.waiters) or self.released):
+        while progress:
             progress = False
-            while self.released:
-                waiter = self.released.pop(0)
-                progress = True
-                if self.failure is None and not self.stopped and not waiter.finished:
-                    self._resume(waiter, event)
-                    if shared is not None:
-                        shared.publish(waiter)
-                    if self.held and waiter.finished:
-                        self._check_held(event)
-            if shared is None:
-                continue
-            for entry in list(shared.waiters):
-                name, waiter = entry
-                if shared.resolve(name, waiter) is WAIT:
-                    continue
-                shared.waiters.remove(entry)
-                progress = True
-                if self.failure is None and not self.stopped:
-                    self._resume(waiter, event)
-                    shared.publish(waiter)
+            for participant in participants:
+                for waiter, payload in participant.ready(self):
+                    progress = True
+                    if self.failure is None and not self.stopped and not waiter.finished:
+                        self._resume(waiter, event, payload)
+                        for other in participants:
+                            other.paused(self, waiter)
 
     def _teardown(self):
         for mediator in self.mediators:
@@ -443,10 +416,8 @@ class Interleaver(hotpath.Exchange):
             self.cut_short = []
         if self.observers:
             self.observers = {}
-        if self.held:
-            self.held = {}
-        if self.released:
-            self.released = []
+        if self.participants:
+            self.participants = []
         self.reusable = True
 
     # -- variables shared between invokes (body side; see sharing.py) ---------------------------
@@ -464,19 +435,9 @@ class Interleaver(hotpath.Exchange):
         shared = self.shared
         if mediator is None or shared is None:
             return default
-        while True:
-            value = shared.resolve(name, mediator)
-            if value is MISSING:
-                return default
-            if value is not WAIT:
-                return value
-            if self.done or mediator.worker is not getcurrent():
-                return default  # e.g. a backward body inside the invoke: it cannot park here
-            shared.waiters.append((name, mediator))
-            mediator.event = None
-            mediator.wait(PARKED)
+        return shared.value(self, name, mediator, default)
 
-    # -- observers and holds (cache.py, barrier.py) ------------------------------------------
+    # -- observers (cache.py) ------------------------------------------
 
     def observe(self, key, fn):
         """Body side: call `fn(occ, value)` at every occurrence of `key` from now on, with the
@@ -493,34 +454,19 @@ class Interleaver(hotpath.Exchange):
             for fn in fns:
                 fn(occ, value)
 
-    def hold(self, mediator, holder):
-        """Body side: park `mediator` (the model runs on) until another body `release`s it.
+    # -- participants in the run's control flow (sharing.py, barrier.py) -----------------------
 
-        Whenever a body ends, `holder.hopeless(interleaver, mediator)` may return an error
-        to end the wait with; if the run ends first, the body gets
-        `holder.never_filled(interleaver, mediator)`; `holder.drop(mediator)` forgets it.
-        """
-        self.held[mediator] = holder
+    def join(self, participant):
+        """`participant` takes part in this run until its teardown. Whenever a body pauses or
+        ends the run calls `participant.paused(interleaver, mediator)`, then resumes the
+        bodies `participant.ready(interleaver)` lets go, as `(mediator, payload)` (payload:
+        None, or an error to raise in the body); when the model run is over, it ends the
+        bodies `participant.finish(interleaver)` gives, as `(mediator, signal)`. A body a
+        participant holds waits with `mediator.event = None; mediator.wait(PARKED)`.
+        A run with no participant pays nothing for them."""
+        self.participants.append(participant)
         self.paused = self._paused
         self.together = True
-        mediator.event = None
-        mediator.wait(PARKED)
-
-    def release(self, mediator):
-        """Body side: a held body goes on, at the model's current place, as soon as the
-        calling body pauses or ends."""
-        if self.held.pop(mediator, None) is not None:
-            self.released.append(mediator)
-
-    def _check_held(self, event):
-        """A body ended: end the wait of held bodies that can no longer be released."""
-        ended = [(m, holder, holder.hopeless(self, m)) for m, holder in self.held.items()]
-        for mediator, holder, error in ended:
-            if error is not None and self.held.pop(mediator, None) is not None:
-                holder.drop(mediator)
-        for mediator, _, error in ended:
-            if error is not None and self.failure is None and not self.stopped:
-                self._resume(mediator, event, error)
 
     # -- added locations (source.py) ----------------------------------------------------------
 

@@ -11,9 +11,17 @@ A body takes part when its job (`mediator.fn`) has `assigns` (the names it binds
 far, read from its paused stack); see `tracer._body`. Its optional `takes` (the names it
 may take from earlier invokes) lets a run whose bodies take nothing skip sharing. A model's
 edits have no `assigns`.
+
+`Sharing` takes part in the run's control flow (`Interleaver.join`): it publishes a body's
+variables when it pauses, lets a waiting reader go once its provider bound the name, and
+ends the wait of readers whose provider never got there when the run is over.
 """
 
 from __future__ import annotations
+
+from greenlet import getcurrent
+
+from .mediator import PARKED, StopSignal
 
 MISSING = object()  # no earlier invoke binds the name: the caller's value or a global applies
 WAIT = object()  # the earlier invoke that binds it is still running and has not bound it yet
@@ -77,6 +85,43 @@ class Sharing:
             if not provider.finished:
                 return WAIT
         return MISSING
+
+    def value(self, interleaver, name, reader, default):
+        """Body side: `name` as an earlier invoke bound it, `reader` waiting (the model runs
+        on) until that invoke has bound it; `default` when no earlier invoke binds it."""
+        while True:
+            value = self.resolve(name, reader)
+            if value is MISSING:
+                return default
+            if value is not WAIT:
+                return value
+            if interleaver.done or reader.worker is not getcurrent():
+                return default  # e.g. a backward body inside the invoke: it cannot park here
+            self.waiters.append((name, reader))
+            reader.event = None
+            reader.wait(PARKED)
+
+    # -- the participant protocol (Interleaver.join) --------------------------------------------
+
+    def paused(self, interleaver, mediator):
+        self.publish(mediator)
+
+    def ready(self, interleaver):
+        """The waiting readers whose name is now bound (or will never be): resumed to look again."""
+        if not self.waiters:
+            return ()
+        ready = [entry for entry in self.waiters if self.resolve(*entry) is not WAIT]
+        for entry in ready:
+            self.waiters.remove(entry)
+        return [(reader, None) for _, reader in ready]
+
+    def finish(self, interleaver):
+        """The run is over: a reader still waiting learns its provider never bound the name."""
+        waiters, self.waiters = self.waiters, []
+        return [(reader, StopSignal() if interleaver.stopped else NameError(
+                    f"name {name!r} is not defined: the earlier invoke that assigns it never "
+                    f"got there before the run ended"))
+                for name, reader in waiters]
 
     def assigned_earlier(self, name, reader):
         """Does an invoke before `reader` assign `name`?"""

@@ -7,7 +7,8 @@ it with `importlib.import_module` or `from interlace.tracing.save import ...`).
 """
 
 from .backend import Backend
-from .blocks import BLOCKS, Block
+from .block import Block
+from .blocks import BLOCKS
 from .deferred import DeferredBody
 from .save import save
 from .source import SOURCES

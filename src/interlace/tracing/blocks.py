@@ -1,4 +1,4 @@
-"""Block and BLOCKS: a captured `with` block, memoised per call site.
+"""BLOCKS: the captured `with` block (`block.Block`) of each call site, memoised.
 
 `capture(frame, steps)` is memoised per call site in `BLOCKS`, keyed by `(id(code), f_lasti)`
 with a strong reference to the code object kept next to the verdict: keying by `id` is
@@ -20,11 +20,10 @@ reachable here too (`blocks.parse_source`, ...), loading `syntax` when first use
 
 from __future__ import annotations
 
-import builtins
-import threading
-import types
-
 from ..errors import UnsupportedBlockError, WithBlockNotFoundError
+from .block import FUNCTIONS_LIMIT, LOCALS_PARAM, Block, make_function
+
+__all__ = ["BLOCKS", "BLOCKS_LIMIT", "FUNCTIONS_LIMIT", "LOCALS_PARAM", "Block", "capture", "make_function"]
 
 # (id(code), f_lasti, steps key) -> (code, Block | _Refusal); the latest BLOCKS_LIMIT sites.
 BLOCKS: dict[tuple, tuple] = {}
@@ -32,153 +31,6 @@ BLOCKS: dict[tuple, tuple] = {}
 #: (a notebook cell run many times, generated code) makes new sites, and each Block holds an
 #: AST and compiled code. The oldest go first; meeting an evicted site again captures it again.
 BLOCKS_LIMIT = 1024
-
-# The body function's hidden last parameter: builtins.locals, so that a user's own `locals`
-# (a local, a global) cannot change what the body returns.
-LOCALS_PARAM = "__interlace_locals__"
-
-_compile_lock = threading.Lock()
-
-
-class Block:
-    """A captured `with` block: the facts the skip needs, and the compiled body.
-
-    Public facts (read by `tracing/skip.py` and backends):
-      filename, lineno (the `with` line), end_lineno, first_body_line (line of the first code
-      the skip jumps over: the first body statement, or the next item's expression when the
-      tracer is not the last item of `with A(), B():`), same_line (that code is on the line
-      where the header ends, e.g. `with T(): x = 1`), first_is_try, assigned_names (frozenset
-      of names the body binds in the caller's scope), item_index, n_items, passonly (nothing
-      to intercept: runs inline), co_name, kind ("function", "class" or "module").
-    """
-
-    _FIELDS = (
-        "filename", "lineno", "end_lineno", "first_body_line", "same_line", "first_is_try",
-        "assigned_names", "names", "declared_global", "item_index", "n_items", "passonly",
-        "co_name", "co_qualname", "kind", "flags", "node", "statements", "source_lines",
-        "first_line", "caller_locals", "callables", "_functions",
-    )  # fmt: skip
-    # Weakly referable: the warm-site record the frame mechanism keeps on the code object
-    # (frames.register_site) must not keep a Block, whose body functions hold the globals
-    # that hold that code, alive past BLOCKS.
-    __slots__ = _FIELDS + ("__weakref__",)
-
-    def __init__(self, **facts):
-        for name in self._FIELDS:
-            setattr(self, name, facts.get(name))
-        self._functions = _Recent(FUNCTIONS_LIMIT)  # params -> code
-        self.callables = _Recent(FUNCTIONS_LIMIT)  # (params, id(globals)) -> function (holds the globals)
-
-    def __repr__(self):
-        return f"<Block {self.filename}:{self.lineno} in {self.co_name} assigns {sorted(self.assigned_names)}>"
-
-    # -- the compiled body ------------------------------------------------------------
-    def function_code(self, params, steps, reads_as_globals=False, frame=None):
-        """The body compiled as a function of `params` (compiled once per tuple of names),
-        through the tracer `steps`' `build` and `compile` steps.
-
-        `reads_as_globals`: the caller's locals the body only reads and that are not in
-        `params` are global lookups (`globalize_reads`), not unbound locals. `frame`: the
-        caller's frame, handed to the `compile` step (None: it is gone, a stand-in goes).
-        """
-        key = (params, True) if reads_as_globals else params
-        try:
-            return self._functions[key]
-        except KeyError:
-            pass
-        from . import syntax  # (the first capture imported it)
-
-        with _compile_lock:
-            code = self._functions.get(key)  # (kept here: a later insertion may evict it)
-            if code is None:
-                self._ensure_statements(steps)
-                tree = steps._function_tree(self, params)
-                if reads_as_globals:
-                    tree = syntax.globalize_reads(tree, self)
-                code = steps._function_code(self, tree, frame)
-                self._register(code)
-                self._functions[key] = code
-        return code
-
-    def stand_in_frame(self):
-        """What the `compile` step reads of the caller's frame when that frame is gone (a
-        deferred body run after `__exit__`, a tracer rebuilt from a pickle): `f_code` (with
-        the caller's filename, name, qualified name and future flags) and `f_lineno`."""
-        return _StandInFrame(self)
-
-    def _ensure_statements(self, steps):
-        if self.statements is None:  # rebuilt after unpickling: parse our own slice again
-            from . import syntax
-
-            lines = ("\n",) * (self.first_line - 1) + tuple(self.source_lines)
-            node = steps._parse_source("".join(lines), self.lineno)
-            if node is None:
-                raise WithBlockNotFoundError(f"{self.filename}:{self.lineno}: cannot rebuild the pickled block")
-            self.node = node
-            statements = syntax.body_statements(node, self.item_index, steps)
-            self.statements = syntax._scope_declarations(statements, self.kind)[0]
-
-    def _register(self, code):
-        if self.item_index < self.n_items - 1:  # the body is `with <later items>: body`
-            import weakref  # (capture time only)
-
-            key = id(code)
-            # Weak, and gone with the code: an entry must live exactly as long as the body
-            # code it describes (without it, a `with` in that body would be read as the
-            # source's outer `with`), and no longer.
-            _SYNTHETIC[key] = (weakref.ref(code, lambda _, key=key: _SYNTHETIC.pop(key, None)), self.node, self.item_index + 1)
-
-    # -- pickling: keep the facts and the source, drop the AST and compiled code -------
-    def __getstate__(self):
-        state = {name: getattr(self, name) for name in self._FIELDS}
-        state.update(node=None, statements=None, callables=None, _functions=None)
-        return state
-
-    def __setstate__(self, state):
-        for name in self._FIELDS:
-            setattr(self, name, state.get(name))
-        self._functions = _Recent(FUNCTIONS_LIMIT)
-        self.callables = _Recent(FUNCTIONS_LIMIT)
-
-
-class _StandInFrame:
-    """`Block.stand_in_frame()`: the caller's frame as far as compiling its body goes."""
-
-    __slots__ = ("f_code", "f_lineno")
-
-    def __init__(self, block):
-        code = builtins.compile("", block.filename, "exec", dont_inherit=True)
-        names = dict(co_name=block.co_name, co_flags=code.co_flags | (block.flags or 0), co_firstlineno=block.lineno)
-        if hasattr(code, "co_qualname"):
-            names["co_qualname"] = block.co_qualname
-        self.f_code = code.replace(**names)
-        self.f_lineno = block.lineno
-
-
-#: Compiled bodies and body functions a Block keeps. One set of bound names and one globals
-#: dict is the rule; a site `exec`'d with a fresh globals dict each time would otherwise keep
-#: every one of those dicts alive through its function.
-FUNCTIONS_LIMIT = 8
-
-
-class _Recent(dict):
-    """A dict that keeps its latest `limit` insertions (`d[k] = v`; the oldest go first).
-    Lookups are plain dict lookups; what goes is rebuilt on demand, and whoever holds an
-    evicted value (a running body holds its function) keeps it."""
-
-    __slots__ = ("limit",)
-
-    def __init__(self, limit):
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key, value):
-        dict.__setitem__(self, key, value)
-        while len(self) > self.limit:
-            try:
-                del self[next(iter(self))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
-                break
 
 
 class _Refusal:
@@ -192,13 +44,6 @@ class _Refusal:
 
     def error(self):
         return self.error_type(self.message)
-
-
-# id(code of a compiled body) -> (weakref to the code, the source With node, index of its
-# first item that the body enters): a tracer that is not the last item of `with T(), B():`
-# compiles its body as `with B(): body`, whose items are then found from here rather than
-# from the source (3.10 has no columns to tell the two apart on a shared line).
-_SYNTHETIC: dict = {}
 
 
 def capture(frame, steps, key_extra=None):
@@ -230,11 +75,6 @@ def _evict_oldest():
             BLOCKS.pop(next(iter(BLOCKS)), None)
         except (RuntimeError, StopIteration):  # another thread changed BLOCKS meanwhile
             break
-
-
-def make_function(code, globals_):
-    """A callable body: `LOCALS_PARAM` defaults to the real `locals`."""
-    return types.FunctionType(code, globals_, code.co_name, (builtins.locals,))
 
 
 # The default steps, and their old shapes, defined in syntax

@@ -27,13 +27,14 @@ object), so they answer for a body that runs once at a time, which is how backen
 from __future__ import annotations
 
 from ..errors import InterlaceError
-from . import blocks, skip
+from . import skip
+from .block import LOCALS_PARAM, make_function
 from .save import TraceState
 from .save import enter_body as _enter_body
 from .save import exit_body as _exit_body
 
-_make_function = blocks.make_function
-_LOCALS_PARAM = blocks.LOCALS_PARAM
+_make_function = make_function
+_LOCALS_PARAM = LOCALS_PARAM
 
 
 class DeferredBody:

@@ -1,7 +1,7 @@
 """The `with` statement as source: find it at a call site, check its shape, compile its body.
 
 `blocks.capture` calls `build_block` on a miss (imported then: the parser and its modules
-cost `import interlace` nothing); the result is a `blocks.Block`. The tracer's steps run here:
+cost `import interlace` nothing); the result is a `block.Block`. The tracer's steps run here:
 its `parse` finds the node, its `build` gives the statements the body runs, and
 `function_module` wraps them in the body function that its `compile` compiles (the default
 steps are `parse_source`/`parse`, `build_module` and `compile_module`).
@@ -55,7 +55,7 @@ import types
 from .. import versions
 from ..errors import UnsupportedBlockError, WithBlockNotFoundError
 from . import skip, source
-from .blocks import _SYNTHETIC, LOCALS_PARAM, Block, _Recent
+from .block import LOCALS_PARAM, SYNTHETIC, Block, Recent
 
 # Opcodes that call __enter__/__aenter__ for one with item (3.10: SETUP_WITH; 3.11+:
 # BEFORE_WITH; both: BEFORE_ASYNC_WITH). 3.10's SETUP_ASYNC_WITH comes after the awaited
@@ -192,7 +192,7 @@ def with_line(lines, lineno):
 
 
 # filename -> whole-file AST (the fallback only), or None if it does not parse; a few files.
-_TREES: dict = _Recent(4)
+_TREES: dict = Recent(4)
 
 
 def _whole_file(filename, lines):
@@ -271,7 +271,7 @@ def _find_with(tree, lineno, col, position):
 def _synthetic_item(code, lasti):
     """(source With node, item index) when `code` is a compiled body that enters the later
     items of a multi-item `with` and `lasti` is one of them; else None."""
-    entry = _SYNTHETIC.get(id(code))
+    entry = SYNTHETIC.get(id(code))
     if entry is None or entry[0]() is not code:
         return None
     node, base = entry[1], entry[2]
@@ -311,6 +311,18 @@ def body_statements(node, item_index, steps):
     """What the body function runs: the statements of the tracer's `build` step, entered
     into the later items of the `with` when the tracer is not its last item."""
     return _body_statements(node, item_index, steps._built_body(node))
+
+
+def rebuild_statements(block, steps):
+    """A Block rebuilt from a pickle keeps its source, not its AST: parse its own slice again
+    (the tracer's `parse` step) and set its `node` and `statements`."""
+    lines = ("\n",) * (block.first_line - 1) + tuple(block.source_lines)
+    node = steps._parse_source("".join(lines), block.lineno)
+    if node is None:
+        raise WithBlockNotFoundError(f"{block.filename}:{block.lineno}: cannot rebuild the pickled block")
+    block.node = node
+    statements = body_statements(node, block.item_index, steps)
+    block.statements = _scope_declarations(statements, block.kind)[0]
 
 
 # -- building the Block ---------------------------------------------------------------------

@@ -49,7 +49,8 @@ from .. import _native
 from ..errors import InterlaceError
 from . import blocks, skip
 from .backend import Backend
-from .blocks import BLOCKS, Block
+from .block import LOCALS_PARAM, Block, make_function
+from .blocks import BLOCKS
 from .deferred import DeferredBody
 from .deferred import defer as _defer
 from .save import _CURRENT, TraceState
@@ -339,18 +340,23 @@ class Tracer(_frames.TracerBase):
             )
         return module.body
 
-    def _function_tree(self, block, params):
-        """The module of the body function of `params` (the old build step's, if overridden)."""
-        if "build" in self._old_steps:
-            return self.build(block, params)
-        return blocks.function_module(block, params)
+    def _body_code(self, block, params, reads_as_globals, frame):
+        """`Block.function_code`'s miss: the body function of `params` made by the `build`
+        step (the old one's, if overridden) and compiled by the `compile` step."""
+        from . import syntax  # (loaded by the first capture already)
 
-    def _function_code(self, block, tree, frame):
-        """`tree` (`_function_tree`'s) compiled by the `compile` step: the function's code."""
+        if block.statements is None:  # rebuilt after unpickling: parse our own slice again
+            syntax.rebuild_statements(block, self)
+        if "build" in self._old_steps:
+            tree = self.build(block, params)
+        else:
+            tree = syntax.function_module(block, params)
+        if reads_as_globals:
+            tree = syntax.globalize_reads(tree, block)
         if "compile" in self._old_steps:
             return self.compile(block, tree)
         code = self.compile(tree, frame if frame is not None else block.stand_in_frame())
-        return blocks.function_of(code, block)
+        return syntax.function_of(code, block)
 
     def _caller_names(self):
         frame = self._frame
@@ -434,8 +440,8 @@ _site = _frames.site
 _user_frame = _frames.user_frame
 _arm = _frames.arm
 _disarm = _frames.disarm
-_make_function = blocks.make_function
-_LOCALS_PARAM = blocks.LOCALS_PARAM
+_make_function = make_function
+_LOCALS_PARAM = LOCALS_PARAM
 
 
 def _ast_module():
