@@ -34,7 +34,7 @@ _LAZY = {
     # via models.model, which makes `Envoy(module)` a traceable root (as in nnsight 0.8)
     "Envoy": ("interlace.models.model", "Envoy"),
     "eproperty": ("interlace.intervention.envoy", "eproperty"),
-    "traceable": ("interlace.intervention.envoy", "traceable"),
+    "traceable": ("interlace.intervention.tracer", "traceable"),
     "LanguageModel": ("interlace.models.language_model", "LanguageModel"),
     "TransformersModel": ("interlace.models.language_model", "TransformersModel"),
     "Inputs": ("interlace.sweeps.inputs", "Inputs"),

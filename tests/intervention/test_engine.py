@@ -17,7 +17,7 @@ import interlace
 from interlace import InterlaceError
 from interlace.intervention import Engine
 from interlace.intervention.batching import Batcher
-from interlace.intervention.envoy import engine_of, module_of
+from interlace.intervention.access import engine_of, module_of
 
 from .memcheck import assert_freed
 

@@ -7,7 +7,7 @@ import torch
 
 import interlace
 from interlace import InterlaceError
-from interlace.intervention.envoy import engine_of
+from interlace.intervention.access import engine_of
 
 
 def _plain_output(module, sub, x):

@@ -11,7 +11,7 @@ import torch
 import interlace
 from interlace import InterlaceError, OutOfOrderError
 from interlace.intervention import mediator as mediator_module
-from interlace.intervention.envoy import engine_of
+from interlace.intervention.access import engine_of
 
 from .helpers import assert_clean, logits
 

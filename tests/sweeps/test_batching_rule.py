@@ -222,7 +222,7 @@ def test_invokes_that_share_variables_are_not_run_apart(lm):
 
 
 def _module_of(wrapper):
-    from interlace.intervention.envoy import module_of
+    from interlace.intervention.access import module_of
 
     return module_of(wrapper)
 

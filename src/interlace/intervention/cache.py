@@ -36,7 +36,8 @@ import torch
 from ..errors import CacheError  # re-exported: its home is interlace.errors
 from ..tracing import save
 from .batching import narrow
-from .envoy import Envoy, module_of
+from .access import module_of
+from .envoy import Envoy
 
 
 class Entry:

@@ -37,7 +37,8 @@ from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from ..tracing import blocks as _blocks
 from ..tracing.save import TraceState, enter_body, exit_body
-from .envoy import Envoy, module_of
+from .access import module_of
+from .envoy import Envoy
 from .iteration import IterMixin
 
 

@@ -23,7 +23,9 @@ import torch
 
 from ..errors import InterlaceError, NotInTraceError
 from . import attach
+from .access import active_interleaver, as_inputs, first_input, running_interleaver, with_first_input
 from .engine import Engine
+from .iteration import Indexer, Iteration
 from .source import module_source
 
 
@@ -250,15 +252,11 @@ class Envoy:
     def iter(self):
         """Deprecated: `tracer.iter[...]` (this is the running trace's)."""
         warnings.warn("model.iter is deprecated; use tracer.iter", DeprecationWarning, stacklevel=2)
-        from .iteration import Indexer
-
         return Indexer(self._running_mediator)
 
     def all(self):
         """Deprecated: `tracer.all()` (this is the running trace's)."""
         warnings.warn("model.all() is deprecated; use tracer.all()", DeprecationWarning, stacklevel=2)
-        from .iteration import Iteration
-
         return Iteration(self._running_mediator, slice(None), text="all()")
 
     def _running_mediator(self, what):
@@ -272,27 +270,9 @@ class Envoy:
 
     # -- inside a trace ------------------------------------------------------------------------
 
-    def _active(self):
-        """The interleaver running a trace of this model in *this* thread, if any."""
-        return self._engine.active()
-
-    def _interleaver(self, what):
-        # The running trace of this model, whatever thread runs it: the interleaver's own
-        # check (is the caller its running body?) turns other threads away with a clear error.
-        engine = self._engine
-        interleaver = engine.running
-        if interleaver is None:
-            if engine.collecting:
-                raise InterlaceError(
-                    f"{self._path}.{what} was used outside an invoke: in a trace with "
-                    f"`with tracer.invoke(...):` blocks, module values are read and edited "
-                    f"inside the invoke blocks"
-                )
-            raise NotInTraceError(
-                f"{self._path}.{what} is only available inside a `with model.trace(...)` "
-                f"block of this model"
-            )
-        return interleaver
+    # the running trace, for the properties below and for `eproperty` (see access.py)
+    _active = active_interleaver
+    _interleaver = running_interleaver
 
     @property
     def output(self):
@@ -405,52 +385,9 @@ class Attached(Envoy):
         )
 
 
-def module_of(envoy) -> torch.nn.Module:
-    """The torch module `envoy` stands for (an Envoy's own attributes are its module's)."""
-    return envoy.__dict__["_module"]
-
-
-def engine_of(envoy):
-    """The `Engine` of the model `envoy` belongs to (one per model, shared by its whole tree)."""
-    return envoy.__dict__["_engine"]
-
-
 def child_of(envoy, name):
     """The Envoy of `envoy`'s submodule `name` (by its attribute name in the module)."""
     return envoy._child(name)
-
-
-def first_input(inputs, path):
-    """`.input` of `(args, kwargs)`: the first positional argument, else the first keyword one."""
-    args, kwargs = inputs
-    if args:
-        return args[0]
-    if kwargs:
-        return next(iter(kwargs.values()))
-    raise InterlaceError(f"{path} was called without arguments: it has no .input")
-
-
-def with_first_input(inputs, value, path):
-    """`(args, kwargs)` with what `.input` reads replaced by `value`."""
-    args, kwargs = inputs
-    if args:
-        return (value, *args[1:]), kwargs
-    if kwargs:
-        kwargs = dict(kwargs)
-        kwargs[next(iter(kwargs))] = value
-        return args, kwargs
-    raise InterlaceError(f"{path} was called without arguments: it has no .input")
-
-
-def as_inputs(value, path):
-    """A value assigned to `<path>.inputs`, checked: the pair `(args tuple, kwargs dict)`."""
-    try:
-        args, kwargs = value
-        return tuple(args), dict(kwargs)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{path}.inputs must be assigned a pair (args, kwargs), got {type(value).__name__}"
-        ) from None
 
 
 # Names an Envoy serves itself: a submodule called so is reached as `.E_<name>` instead.
@@ -573,26 +510,3 @@ class eproperty:
 
     def __repr__(self):
         return f"<eproperty {self.name} ({self.key}){': ' + self.description if self.description else ''}>"
-
-
-def traceable(method):
-    """Make an Envoy-subclass method traceable, as nnsight 0.8's `@traceable`:
-    `with envoy.method(*inputs):` runs the model through `method` with the body interleaved;
-    a plain `envoy.method(*inputs)` just calls it (and inside a trace it always does)."""
-    import functools
-    import sys
-
-    from .grads import followed_by_with
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if self._engine.active() is not None or not followed_by_with(sys._getframe(1)):
-            return method(self, *args, **kwargs)
-        from .tracer import InterleavingTracer
-
-        # a trace of the whole model (its root Envoy) whose run calls the method
-        return InterleavingTracer(self.root, args, kwargs,
-                                  run=lambda *a, **k: method(self, *a, **k))
-
-    wrapper.traceable = True
-    return wrapper

@@ -23,7 +23,7 @@ import warnings
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
-from .envoy import engine_of
+from .access import engine_of
 
 MAX_IDLE_STEPS = 10_000
 """An open-ended loop whose steps asked the model for nothing this many times in a row is

@@ -58,6 +58,15 @@ from greenlet import getcurrent
 
 from ..errors import InterlaceError, SourceNotAvailable
 from . import hooks
+from .access import (
+    active_interleaver,
+    as_inputs,
+    first_input,
+    index_of,
+    module_of,
+    running_interleaver,
+    with_first_input,
+)
 from .batching import swap
 from .rewrite import compiled_for as _rewritten
 from .rewrite import peel, rebuild
@@ -262,16 +271,16 @@ def _forward_info(module, what):
 def module_source(envoy):
     """`envoy.source`: the forward's operations. Inside a running body it is installed now,
     so that operations are counted from before the module first runs."""
-    module = envoy._module
-    what = f"{envoy._path} ({type(module).__name__})"
+    module = module_of(envoy)
+    what = f"{envoy.path} ({type(module).__name__})"
     function, _ = _forward_of(module, what)
     inner, _ = peel(function)
     compiled = compiled_for(inner, what)
-    interleaver = envoy._active()
+    interleaver = active_interleaver(envoy)
     if (interleaver is not None and interleaver.current is not None
             and interleaver.current.worker is getcurrent()):
         _module_run(interleaver, envoy, compiled)
-    return Source(envoy, compiled, f"{envoy._path}.source")
+    return Source(envoy, compiled, f"{envoy.path}.source")
 
 
 def _names(prefix, compiled):
@@ -288,21 +297,21 @@ def _align(hub, base, count, before):
 def _module_run(il, envoy, compiled):
     """The module's operations in run `il`, installing the rewritten forward on first use."""
     runs = il.extensions.setdefault("source", {})
-    index = envoy._index
+    index = index_of(envoy)
     owner = ("forward", index, compiled.original)
     run = runs.get(owner)
     if run is not None:
         return run
-    prefix = f"{envoy._path}.source"
+    prefix = f"{envoy.path}.source"
     mediator = il.mediator(prefix)
-    module = envoy._module
-    what = f"{envoy._path} ({type(module).__name__})"
+    module = module_of(envoy)
+    what = f"{envoy.path} ({type(module).__name__})"
     function, receiver, stand_in = _forward_info(module, what)
     inner, chain = peel(function)
     if compiled_for(inner, what) is not compiled:
         raise InterlaceError(
             f"{what}: its forward was replaced after this .source was read; read "
-            f"{envoy._path}.source again"
+            f"{envoy.path}.source again"
         )
     if receiver is not None and compiled.receiver is None:
         raise SourceNotAvailable(
@@ -455,7 +464,7 @@ class SourceEnvoy:
     def _locate(self, what):
         """(interleaver, run) of the running trace, or the Envoy's error outside one."""
         envoy = self._owner._envoy
-        il = envoy._interleaver(f"{self.path[len(envoy._path) + 1:]}.{what}")
+        il = running_interleaver(envoy, f"{self.path[len(envoy.path) + 1:]}.{what}")
         return il, self._owner._run(il)
 
     @property
@@ -478,8 +487,6 @@ class SourceEnvoy:
 
     @inputs.setter
     def inputs(self, value):
-        from .envoy import as_inputs  # (envoy imports this module)
-
         value = as_inputs(value, self.path)
         il, run = self._locate("inputs")
         il.write(run.base + 2 * self._site, value)
@@ -487,15 +494,11 @@ class SourceEnvoy:
     @property
     def input(self):
         """The first positional argument, else the first keyword argument."""
-        from .envoy import first_input  # (envoy imports this module)
-
         il, run = self._locate("input")
         return first_input(il.read(run.base + 2 * self._site), self.path)
 
     @input.setter
     def input(self, value):
-        from .envoy import with_first_input  # (envoy imports this module)
-
         il, run = self._locate("input")
         key = run.base + 2 * self._site
         il.write(key, with_first_input(il.read(key), value, self.path))
@@ -512,7 +515,7 @@ class SourceEnvoy:
     def source(self):
         """The operations inside the function this operation calls (inside a trace only)."""
         envoy = self._owner._envoy
-        il = envoy._active()
+        il = active_interleaver(envoy)
         if il is None or il.current is None:
             raise SourceNotAvailable(
                 f"{self.path}.source is only available inside a trace: which function a call "

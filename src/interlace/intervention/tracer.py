@@ -10,13 +10,15 @@ batched into one forward pass with one mediator per invoke body, each seeing its
 from __future__ import annotations
 
 import builtins
+import functools
+import sys
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from .body import BodyJob
+from .access import active_interleaver, engine_of
 from .edit import replays
-from .envoy import engine_of
-from .grads import block_uses_backward
+from .grads import block_uses_backward, followed_by_with
 from .iteration import IterMixin
 
 _NOT_YET = object()
@@ -283,3 +285,21 @@ def _body(tracer, out):
     if pending is not None:
         return BodyJob(pending.body, out, pending)
     return BodyJob(tracer.defer(), out)
+
+
+def traceable(method):
+    """Make an Envoy-subclass method traceable, as nnsight 0.8's `@traceable`:
+    `with envoy.method(*inputs):` runs the model through `method` with the body interleaved;
+    a plain `envoy.method(*inputs)` just calls it (and inside a trace it always does).
+    (Here, not in envoy.py: the Envoy does not import the tracer, the tracer reaches the Envoy.)"""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if active_interleaver(self) is not None or not followed_by_with(sys._getframe(1)):
+            return method(self, *args, **kwargs)
+        # a trace of the whole model (its root Envoy) whose run calls the method
+        return InterleavingTracer(self.root, args, kwargs,
+                                  run=lambda *a, **k: method(self, *a, **k))
+
+    wrapper.traceable = True
+    return wrapper

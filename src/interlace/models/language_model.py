@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..intervention.envoy import engine_of, module_of
+from ..intervention.access import engine_of, module_of
 from ..intervention.session import check_remote
 from ..intervention.tracer import InterleavingTracer
 from . import inputs as _inputs

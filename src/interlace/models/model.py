@@ -16,17 +16,10 @@ import torch
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
 from ..intervention import aliases
+from ..intervention.access import engine_of, module_of
 from ..intervention.batching import Batcher
 from ..intervention.engine import Engine
-from ..intervention.envoy import (
-    COLLISION_PREFIX,
-    ROOT_CLASS,
-    SERVED,
-    Envoy,
-    engine_of,
-    module_of,
-    served_collisions,
-)
+from ..intervention.envoy import COLLISION_PREFIX, ROOT_CLASS, SERVED, Envoy, served_collisions
 from ..intervention.session import Session, check_remote
 from ..intervention.tracer import InterleavingTracer
 

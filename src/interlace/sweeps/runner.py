@@ -35,7 +35,7 @@ import torch
 from ..errors import BatchingWarning, InterlaceError
 from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
-from ..intervention.envoy import engine_of, module_of
+from ..intervention.access import engine_of, module_of
 from .body import ItemBody, item_of, name_item
 from .inputs import split
 from .results import compact

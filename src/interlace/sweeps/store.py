@@ -149,7 +149,7 @@ def _raw(tensor):
 
 def model_header(model):
     """What identifies the model's values: class, config, parameter shapes, sampled weights."""
-    from ..intervention.envoy import module_of
+    from ..intervention.access import module_of
 
     module = module_of(model)
     config = getattr(module, "config", None)

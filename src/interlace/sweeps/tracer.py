@@ -16,7 +16,7 @@ import os
 
 from ..errors import InterlaceError
 from ..intervention.cache import make_cache
-from ..intervention.envoy import engine_of
+from ..intervention.access import engine_of
 from ..intervention.grads import block_uses_backward
 from ..intervention.iteration import IterMixin
 from ..tracing import Backend, Tracer

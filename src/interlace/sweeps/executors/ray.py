@@ -37,8 +37,9 @@ import sys
 import weakref
 
 from ...errors import MissingExtraError  # re-exported: its home is interlace.errors
+from ...intervention.access import engine_of, module_of
 from ...intervention.edit import edits_of
-from ...intervention.envoy import child_of, engine_of, module_of
+from ...intervention.envoy import child_of
 from ...models.fingerprint import fingerprint
 from ..runner import WINDOW, Runner, plan_batches
 
