@@ -275,3 +275,21 @@ def test_a_transformers_pipeline_over_the_exported_module(lm, hf_model, hf_token
         plain = hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     assert text == hf_tokenizer.decode(hooked[0, ids.shape[1]:], skip_special_tokens=True)
     assert not torch.equal(hooked, plain)
+
+
+def test_beam_search_and_pickling(fresh, hf_model, hf_tokenizer, arch, tmp_path):
+    ids, mask = padded(hf_tokenizer, "left", 3)
+    module = edit_of(fresh, arch).as_module()
+    kwargs = dict(generate_kwargs(hf_tokenizer, 3), num_beams=2, num_return_sequences=2)
+    first = lambda edit: lambda step, out: edit(out) if step == 0 else None  # noqa: E731
+    with torch.no_grad(), StepHooks(layers(hf_model, arch)[0].mlp, first(lambda out: out * 0)), \
+            StepHooks(layers(hf_model, arch)[1].mlp, first(lambda out: out + PUSH)):
+        hooked = hf_model.generate(ids, attention_mask=mask, **kwargs)  # (no loop: step 0 only)
+    with torch.no_grad():
+        assert torch.equal(module.generate(ids, attention_mask=mask, **kwargs), hooked)
+    torch.save(module, tmp_path / "module.pt")  # pickles as the original module, unedited
+    loaded = torch.load(tmp_path / "module.pt", weights_only=False)
+    assert type(loaded) is type(module_of_lm(fresh))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask).logits,
+                           hf_model(ids, attention_mask=mask).logits)

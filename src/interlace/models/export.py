@@ -23,6 +23,7 @@ wrapper does not hold the module, so there is no reference cycle.
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 
 from ..errors import InterlaceError
@@ -84,7 +85,7 @@ class Exported:
 
     def __reduce_ex__(self, protocol):
         """Pickles (`torch.save`) as the original module: its class and weights, no edit."""
-        return self.__dict__[_STATE].original.__reduce_ex__(protocol)
+        return operator.itemgetter(0), ((self.__dict__[_STATE].original,),)
 
 
 class ExportedGenerate(Exported):
