@@ -6,6 +6,7 @@ on the inputs as given.
 """
 
 import copy
+import weakref
 import threading
 import traceback
 
@@ -293,3 +294,25 @@ def test_beam_search_and_pickling(fresh, hf_model, hf_tokenizer, arch, tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(ids, attention_mask=mask).logits,
                            hf_model(ids, attention_mask=mask).logits)
+
+
+def test_the_exported_module_and_its_wrapper_are_freed_by_refcounting(model_dirs, hf_tokenizer):
+    """No reference cycle: the module holds its wrapper, the wrapper never holds the module."""
+    from intervention.memcheck import assert_freed
+
+    ids, mask = padded(hf_tokenizer, "left", 3)
+
+    def run():
+        lm = interlace.LanguageModel(model_dirs["gpt2"])
+        with lm.edit() as (tracer, edited):
+            for _ in tracer.all():
+                layers(edited, "gpt2")[0].mlp.output[:] = 0
+        module = edited.as_module()
+        with torch.no_grad():
+            module(ids, attention_mask=mask)
+            module.generate(ids, attention_mask=mask, **generate_kwargs(hf_tokenizer, 2))
+        return {"module": weakref.ref(module_of_lm(lm)),
+                "wrapper": weakref.ref(edited),
+                "exported": weakref.ref(module)}
+
+    assert_freed(run)
