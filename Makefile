@@ -1,7 +1,8 @@
 # interlace developer commands. `make demo` and `make test` work from a fresh clone:
 # each creates .venv (Python 3.11) and installs what it needs, torch first (the CPU build
 # pinned below; a bare `torch` requirement resolved first would pull a multi-GB CUDA build),
-# and the extras whose tests would otherwise skip (ray: executor="ray", pandas: to_pandas()).
+# and the extras whose tests would otherwise skip (ray: executor="ray", pandas: to_pandas(),
+# eval: docs/edit.md's lm-evaluation-harness example; tests run with HF_DATASETS_OFFLINE=1).
 
 PYTHON311 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11.*/bin/python3.11) $(shell command -v python3.11))
 TORCH_SPEC ?= torch==2.13.0
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "setuptools>=77" "Cython>=3.0" wheel
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare,ray,pandas,datasets]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,demo,compare,ray,pandas,datasets,eval]"
 	touch $(STAMP)
 
 build: $(STAMP)
@@ -37,10 +38,10 @@ check: build
 test: test-native test-twin
 
 test-native: build
-	INTERLACE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_DATASETS_OFFLINE=1 INTERLACE_REQUIRE_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-twin: build
-	INTERLACE_NO_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_DATASETS_OFFLINE=1 INTERLACE_NO_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The torch-free tracer core on every other supported interpreter, both paths.
 test-core-versions:

@@ -336,6 +336,8 @@ def run(o, settings, everyone, wanted, baseline) -> dict:
             entry = timed(w, cases, active, settings, o)
             if wname == "edit_slope":
                 entry["summary"] = slopes(entry, cases)
+            if wname == "as_module":
+                entry["exported"] = exported_over_trace(entry, cases)
             if wname == "wrapped":
                 entry["structural"] = wrapped_structure(cases[0], active, settings)
             results["workloads"][wname] = entry
@@ -366,6 +368,23 @@ def slopes(entry, cases) -> dict:
     for row in out.values():  # (plain hooks' slope lost in noise, at or below 0: no ratio)
         floor = row.get("floor_per_edit_us", ref)
         row["ratio"] = row["per_edit_us"] / floor if floor and floor > 0 else None
+    return out
+
+
+def exported_over_trace(entry, cases) -> dict:
+    """{contender: {shape: a call of as_module()'s module / a trace with the same edits}}: the
+    quotient of their ratios to plain hooks (each ratio taken in its own case's rounds, so the
+    drift between the two cases cancels)."""
+    out = {}
+    for case in cases:
+        if case.args != ("module",):
+            continue
+        trace_label = case.label.rsplit(", ", 1)[0] + ", trace"
+        mine, theirs = entry["cases"].get(case.label, {}), entry["cases"].get(trace_label, {})
+        for name, row in mine.items():
+            a, b = row.get("ratio") if isinstance(row, dict) else None, theirs.get(name, {}).get("ratio")
+            if name not in ("raw", "hooks") and a and b:
+                out.setdefault(name, {})[case.shape] = a / b
     return out
 
 

@@ -64,6 +64,7 @@ class Contender:
     def wrapped(self, s): return None
     def noop_tracer(self, s): return None
     def collect(self, s, items): return None
+    def edited(self, s, how): return None
 
 
 class Raw(Contender):
@@ -76,6 +77,9 @@ class Raw(Contender):
     save_one = save_all = fixed = _forward
 
     def zero_mlps(self, s, k=None):
+        return self._forward(s)
+
+    def edited(self, s, how):
         return self._forward(s)
 
     def invokes(self, s, n):
@@ -133,6 +137,9 @@ class Hooks(Contender):
             self._run(module, hooks, lambda: module(ids))
             return out[0]
         return run
+
+    def edited(self, s, how):
+        return self.zero_mlps(s)  # the same edit, as hooks registered around each call
 
     def save_all(self, s):
         module, ids, layers = s.module, s.ids, list(s.layers())
@@ -249,6 +256,30 @@ class Interlace(Contender):
                     mlp = layers[i].mlp
                     mlp.output = torch.zeros_like(mlp.output)
                 logits = save(s.lm_head(model).output)
+            return logits
+        return run
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one per subject, kept for the process
+    def zeroed(self, s):
+        """`model.edit()` zeroing every MLP's output (the zero_mlps edit, recorded once)."""
+        with self.model(s).edit() as edited:
+            for layer in s.layers(edited):
+                layer.mlp.output = torch.zeros_like(layer.mlp.output)
+        return edited
+
+    def edited(self, s, how):
+        """The recorded edit run by a trace of the edited wrapper (how="trace"), or by a call
+        of the module `as_module()` exports (how="module"), reading the logits."""
+        from interlace import save
+
+        edited, ids = self.zeroed(s), s.ids
+        if how == "module":
+            module = edited.as_module()
+            return lambda: module(ids).logits
+
+        def run():
+            with edited.trace(ids):
+                logits = save(s.lm_head(edited).output)
             return logits
         return run
 

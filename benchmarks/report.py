@@ -24,6 +24,9 @@ GOALS = (
      lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
     ("edit_slope", "cost per edited location, k = 1..12 (x plain hooks' per edit) [edit_slope]", 2.0,
      lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
+    ("as_module", "a call of edited.as_module()'s module, tiny (x a trace with the same edits) "
+     "[as_module]", 1.05,
+     lambda r, c: r["workloads"].get("as_module", {}).get("exported", {}).get(c, {}).get("tiny")),
     ("tracer", "warm Tracer, no-op backend (x nullcontext) [tracer]", 2.0,
      lambda r, c: _cell(r, "tracer", "tiny body", c, "ratio")),
     ("import", "`import interlace` over an empty interpreter (ms, wall) [import]", 30.0,
@@ -191,6 +194,11 @@ def markdown(results: dict) -> str:
                     lines.append(f"- {labels[c]}: {s['per_edit_us']:.1f} us per edit"
                                  + _spread(s.get("per_edit_us_spread"), 1, " (runs: ", ")")
                                  + (f" ({s['ratio']:.2f}x plain hooks')" if s.get("ratio") is not None else ""))
+            if "exported" in w:
+                lines.append("")
+                for c, quotients in w["exported"].items():
+                    lines.append(f"- {labels[c]}: a call of the as_module() module over a trace with the "
+                                 f"same edits: " + ", ".join(f"{shape} {q:.2f}x" for shape, q in quotients.items()))
             if "structural" in w:
                 lines.append("")
                 for c, found in w["structural"].items():

@@ -8,6 +8,8 @@ run in fresh processes or measure memory instead (`import`, `cold_start`, `peak_
   zero_mlps    zero every MLP's output, save the logits  every shape
   save_all     save every layer's output                 every shape
   edit_slope   zero k MLPs, k = 1..12: us per edit, against plain hooks' us per edit
+  as_module    the zero_mlps edit recorded by model.edit(): a trace of the edited wrapper,
+               and a call of the module edited.as_module() exports
   invokes      n = 1..32 invokes saving layer 0, against one batch with a plain hook
   generate     16 new tokens reading the logits at every step with `tracer.iter[:]`
   fixed        the fixed cost of one trace: a 2x2 Linear, save its output
@@ -93,6 +95,13 @@ WORKLOADS = {
                  goal="tiny: ≤ 1.05x plain hooks"),
         Workload("edit_slope", "Zero k MLPs, k = 1..12: the cost of each edit", _slope_cases, rounds=0.6,
                  goal="each edited location ≤ 2x what a plain hook's edit costs (least-squares slope over k)"),
+        Workload("as_module", "Zero every MLP by model.edit(), read the logits: a trace of the edited "
+                              "wrapper, and a call of edited.as_module()",
+                 lambda o: [Case(f"{shape}, {how}", "edited", shape, (how,))
+                            for shape in o.shapes if shape != "linear" and subjects.SHAPES[shape].arch == "gpt2"
+                            for how in ("trace", "module")],
+                 rounds=0.5, goal="a call of the exported module ≤ 1.05x a trace with the same edits "
+                                  "(each as x plain hooks, then their quotient)"),
         Workload("invokes", "n invokes saving layer 0 (plain hooks: one batch of n rows)",
                  lambda o: [Case(f"{pick(o, 'tiny')}, n={n}", "invokes", pick(o, "tiny"), (n,)) for n in INVOKES],
                  rounds=0.5, goal="16 invokes ≤ 1.2x the plain-hook batch"),

@@ -2,10 +2,12 @@
 
 A page's blocks share one namespace (a later block may use what an earlier one defined), so
 a page reads as a session. Blocks fenced as ```python no-run (output, or code that needs a
-GPU or the hub) are shown, not run. Each page runs in a fresh subprocess: a page may wrap
+GPU or the hub) are shown, not run; blocks fenced as ```python needs=MODULE run only where
+MODULE is installed (an optional extra), else they are left out. Each page runs in a fresh subprocess: a page may wrap
 models and mount things without touching the test process.
 """
 
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -14,7 +16,7 @@ import sys
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
-BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"^```python(?:[ \t]+needs=([\w.]+))?[ \t]*\n(.*?)^```", re.S | re.M)
 
 
 def _pages():
@@ -22,7 +24,8 @@ def _pages():
 
 
 def _script(page):
-    blocks = BLOCK.findall(page.read_text())
+    blocks = [block for needs, block in BLOCK.findall(page.read_text())
+              if not needs or importlib.util.find_spec(needs) is not None]
     parts = []
     for i, block in enumerate(blocks):
         # each block keeps its own line numbers in tracebacks via a marker comment

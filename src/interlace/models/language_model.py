@@ -171,6 +171,10 @@ class LanguageModel(Model):
                            executor=executor, workers=workers, generate=generate, run=run,
                            eos=eos, save_to=save_to, overwrite=overwrite)
 
+    def rewrap(self, module):
+        """As `Model.rewrap`, with this wrapper's tokenizer."""
+        return type(self)(module, tokenizer=self.tokenizer, **self.wrapper_options())
+
     # --- inputs: what the engine's batching (inputs.PromptBatcher) does ------------------
 
     def prepare_inputs(self, *args, **kwargs) -> tuple[dict, dict]:

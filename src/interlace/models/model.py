@@ -140,8 +140,21 @@ class Model(Envoy):
         return _edit.EditTracer(self if inplace else _edit.copy_wrapper(self), inplace)
 
     def clear_edits(self):
-        """Drop every edit recorded on this wrapper (copies made from it keep theirs)."""
+        """Drop every edit recorded on this wrapper (copies made from it keep theirs), and so
+        from what the modules `as_module()` returned for it run."""
         _edit.set_edits(self, ())
+
+    def as_module(self) -> torch.nn.Module:
+        """A `torch.nn.Module` of the original class, sharing its weights, whose every call
+        (`generate` too: one run, a step per forward) runs this wrapper's edits: for code that
+        takes a model and calls it itself (pipelines, evaluation harnesses). See docs/edit.md."""
+        from .export import export
+
+        return export(self)
+
+    def rewrap(self, module):
+        """A wrapper of `module` made as this one was (`rename=`, `envoys=`, ...), with no edit."""
+        return type(self)(module, **self.wrapper_options())
 
     def session(self, backend=None, remote=False, tracer_cls=None):
         """`with model.session() as session:` - several traces in one block, sharing values.
