@@ -28,7 +28,7 @@ import threading
 
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
-from ..intervention.envoy import engine_of, module_of
+from ..intervention.access import engine_of, module_of
 from .model import AS_GIVEN, _noop
 
 _STATE = "_interlace_export"  # the key of the module's `Export` in its __dict__
