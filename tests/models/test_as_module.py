@@ -73,7 +73,7 @@ def test_forward_logits_equal_a_trace_with_the_same_edits(lm, hf_model, hf_token
 
 
 def module_of_lm(lm):
-    from interlace.intervention.envoy import module_of
+    from interlace.intervention.access import module_of
 
     return module_of(lm)
 

@@ -29,7 +29,14 @@ import threading
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
 from ..intervention.access import engine_of, module_of
-from .model import AS_GIVEN, _noop
+from ..intervention.batching import Batcher
+
+AS_GIVEN = Batcher()  # one call's inputs, as given (Batcher.as_given)
+
+
+def noop():
+    """The body of a direct call of an edited wrapper or exported module: only its edits act."""
+
 
 _STATE = "_interlace_export"  # the key of the module's `Export` in its __dict__
 _CLASSES = {}  # original class -> its exported subclass
@@ -65,7 +72,7 @@ class Export:
         call = self.original if run is None else run
         if not edits:
             return call(*args, **kwargs)  # no edit: the original, as it is
-        return engine.interleave([(_noop, args, kwargs)], run=run, batcher=AS_GIVEN, edits=edits)
+        return engine.interleave([(noop, args, kwargs)], run=run, batcher=AS_GIVEN, edits=edits)
 
 
 class Exported:

@@ -22,6 +22,7 @@ from ..intervention.engine import Engine
 from ..intervention.envoy import COLLISION_PREFIX, ROOT_CLASS, SERVED, Envoy, served_collisions
 from ..intervention.session import Session, check_remote
 from ..intervention.tracer import InterleavingTracer
+from .export import AS_GIVEN, export, noop
 
 
 class Model(Envoy):
@@ -148,8 +149,6 @@ class Model(Envoy):
         """A `torch.nn.Module` of the original class, sharing its weights, whose every call
         (`generate` too: one run, a step per forward) runs this wrapper's edits: for code that
         takes a model and calls it itself (pipelines, evaluation harnesses). See docs/edit.md."""
-        from .export import export
-
         return export(self)
 
     def rewrap(self, module):
@@ -175,7 +174,7 @@ class Model(Envoy):
             if engine.active() is None:
                 # an edited wrapper called directly runs its edits too (nnsight runs it
                 # unedited): one call of the module on the inputs as given
-                return engine.interleave([(_noop, args, kwargs)], batcher=AS_GIVEN, edits=edits)
+                return engine.interleave([(noop, args, kwargs)], batcher=AS_GIVEN, edits=edits)
         return Envoy.__call__(self, *args, **kwargs)
 
 
@@ -190,13 +189,6 @@ def tracer_class(given, default, what):
             f"interlace.intervention.tracer.InterleavingTracer (made as {default.__name__} is)"
         )
     return given
-
-
-AS_GIVEN = Batcher()  # one invoke's inputs, as given (Batcher.as_given)
-
-
-def _noop():
-    """The body of a direct call of an edited wrapper: only its edits act."""
 
 
 ROOT_CLASS[:] = [Model]  # `Envoy(module)` is a traceable root, as in nnsight 0.8
