@@ -172,12 +172,7 @@ def import_violations(tree: Tree) -> list[str]:
 # -- cycles ---------------------------------------------------------------------------------
 #: Cycles known and not yet removed (issue 17), each the set of modules it runs through. A
 #: cycle not listed fails the test, and so does a listed one that is gone (drop it here).
-KNOWN_CYCLES = [
-    # `Model.sweep` -> sweeps.tracer -> executors (which loads ray lazily) and back through
-    # store (save_to=), which needs the tracer's and ray's helpers inside functions.
-    {"interlace.sweeps.executors", "interlace.sweeps.executors.ray", "interlace.sweeps.store",
-     "interlace.sweeps.tracer"},
-]  # fmt: skip
+KNOWN_CYCLES = []  # cycles still to break (none): each a set of module names
 
 
 def import_graph(tree: Tree) -> dict[str, dict[str, list[int]]]:

@@ -56,7 +56,7 @@ def require():
             raise ImportError("datasets")
         import pyarrow  # noqa: F401
     except (ImportError, ValueError):
-        from .executors.ray import MissingExtraError
+        from ..errors import MissingExtraError
 
         raise MissingExtraError(
             f"model.sweep(..., save_to=...) writes a Hugging Face datasets folder, and datasets "
@@ -175,7 +175,7 @@ def make_header(tracer, job):
     block = tracer.block
     assigned = set(block.assigned_names)  # what it assigns (its saved names) is not an input
     names = {name: digest(value) for name, value in sorted(job.namespace.items())
-             if name not in assigned and not _is_sweep(value)}
+             if name not in assigned and not isinstance(value, type(tracer))}
     # the body's syntax tree without positions: the same body moved or re-indented is the same
     source = ast.dump(ast.Module(body=list(block.statements or ()), type_ignores=[]))
     shared = job.input is not None and not is_callable_input(job.input)
@@ -186,12 +186,6 @@ def make_header(tracer, job):
         "inputs": {"input": digest(job.input) if shared else "per item",
                    "keywords": digest(job.kwargs), "generate": bool(job.generate)},
     }
-
-
-def _is_sweep(value):
-    from .tracer import SweepTracer
-
-    return isinstance(value, SweepTracer)
 
 
 def is_callable_input(source):
