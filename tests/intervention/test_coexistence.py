@@ -55,6 +55,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_works_after_import_interlace(backend):
     if backend == "inductor" and shutil.which(os.environ.get("CXX", "g++")) is None:
@@ -217,6 +218,7 @@ NNSIGHT_ORDERS = {
 }
 
 
+@pytest.mark.slow
 @needs_nnsight
 @pytest.mark.parametrize("order", list(NNSIGHT_ORDERS))
 def test_interlace_and_nnsight_each_save_in_their_own_traces(order):
@@ -277,6 +279,7 @@ NNSIGHT_WRAPS = {
 }
 
 
+@pytest.mark.slow
 @needs_nnsight
 @pytest.mark.parametrize("wrap", list(NNSIGHT_WRAPS))
 def test_source_of_a_module_nnsight_also_wraps(wrap):
@@ -315,6 +318,7 @@ print("ok")
 
 @pytest.mark.parametrize("before", ["", "with interlace.Tracer():\n    kept = [0].save()"],
                          ids=["import then trace", "trace, import, trace"])
+@pytest.mark.slow
 def test_torch_transformers_and_anyio_import_after_interlace(before):
     optional = "import anyio" if importlib.util.find_spec("anyio") is not None else ""
     assert run_fresh(IMPORTS_THEN_TRACE.format(before=before, optional=optional)) == "ok"
@@ -336,6 +340,7 @@ MATCHES = torch.equal(hidden, net[0](x).detach())
 
 @pytest.mark.parametrize("before", ["", "with interlace.Tracer():\n    kept = [0].save()"],
                          ids=["first trace", "already mounted"])
+@pytest.mark.slow
 def test_a_module_that_traces_when_imported(before, tmp_path):
     """A driver imports an experiment module that runs a trace at import time."""
     (tmp_path / "torch_experiment.py").write_text(EXPERIMENT)

@@ -76,6 +76,7 @@ def test_to_pandas_without_pandas_says_how_to_install(model, corrupt, monkeypatc
         sweep.results.to_pandas()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [8, 500])  # 500: more bodies than the greenlet pool keeps
 def test_ten_thousand_items_keep_only_what_the_bodies_save(mlp, mlp_model, batch_size):
     """Flat memory: no batch tensor, body frame or mediator outlives its batch."""

@@ -47,6 +47,7 @@ def ran(log):
         return [int(line) for line in f]
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     folder, log = tmp_path / "acts", tmp_path / "log"
     killed = run_job(folder, log, kill_at=13)
