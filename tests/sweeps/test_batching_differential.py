@@ -11,31 +11,16 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import interlace
+
+from .test_batching_rule import _SequenceFirst
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 SEED = 1234
 PROGRAMS = 24
 BATCH_SIZES = (1, 2, 3, 7)
-
-
-class _SequenceFirst(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = nn.LSTM(8, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 1,
-                                             enable_nested_tensor=False)
-        self.attn = nn.MultiheadAttention(16, 2)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        out, _ = self.lstm(x)
-        out = self.encoder(out)
-        out, _ = self.attn(out, out, out, need_weights=True)
-        return self.head(out)
 
 
 @pytest.fixture(scope="module")
