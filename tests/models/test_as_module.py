@@ -316,3 +316,27 @@ def test_the_exported_module_and_its_wrapper_are_freed_by_refcounting(model_dirs
                 "exported": weakref.ref(module)}
 
     assert_freed(run)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_an_edit_written_for_one_prompt_applies_to_every_row(lm, hf_model, hf_tokenizer, arch,
+                                                             side):
+    """A row-indexed edit (`output[0]`, as written for one invoke) gets each row of the
+    caller's batch: every row is replayed as its own invoke, as nnsight-style invokes are."""
+    ids, mask = padded(hf_tokenizer, side, 3)
+    with lm.edit() as edited:
+        layers(edited, arch)[1].mlp.output[0, :, :8] = 0
+    module = edited.as_module()
+
+    def zero_every_row(step, out):
+        out = out.clone()
+        out[:, :, :8] = 0
+        return out
+
+    with torch.no_grad():
+        logits = module(input_ids=ids, attention_mask=mask).logits
+        with StepHooks(layers(hf_model, arch)[1].mlp, zero_every_row):
+            expected = hf_model(input_ids=ids, attention_mask=mask).logits
+        plain = hf_model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(logits, expected)
+    assert not torch.allclose(logits[2], plain[2], atol=1e-4)  # not only row 0

@@ -72,7 +72,8 @@ class Engine:
             return self.running
         return None
 
-    def interleave(self, invokes, *, run=None, batcher=None, backward=False, edits=()):
+    def interleave(self, invokes, *, run=None, batcher=None, backward=False, edits=(),
+                   rows=None):
         """Run the model once with one mediator per `(fn, args, kwargs)` in `invokes`.
 
         Each `fn` is a body (normally a captured `with` block's); with several invokes their
@@ -94,7 +95,7 @@ class Engine:
             interleaver.add(fn)
             call = self.state.root
         else:
-            call, args, kwargs = self._build(interleaver, invokes, run, batcher, edits)
+            call, args, kwargs = self._build(interleaver, invokes, run, batcher, edits, rows)
         # This model's turn (other threads' traces first), then the run.
         together = False
         learning = None
@@ -215,14 +216,21 @@ class Engine:
                 f"batch_dim=0 if the model transposes its inputs itself"
             )
 
-    def _build(self, interleaver, invokes, run, batcher, edits):
+    def _build(self, interleaver, invokes, run, batcher, edits, rows=None):
         """Add the mediators of a run that batches, replays edits or has a run strategy;
-        returns `(call, args, kwargs)` for it."""
+        returns `(call, args, kwargs)` for it. `rows`: one input as given whose `rows` batch
+        rows each get their own replay of the edits, as invokes would (`as_module()` calls)."""
         batcher = (batcher or self.batcher).for_run(run)
         call = self.state.root if run is None else run
         if len(invokes) == 1 and batcher.as_given:
             # one input as given: nothing to batch
             fn, args, kwargs = invokes[0]
+            if rows is not None and rows > 1 and edits:
+                interleaver.total = rows
+                interleaver.dim = batcher.dim
+                _add_edits(interleaver, edits, [slice(i, i + 1) for i in range(rows)])
+                interleaver.add(fn)
+                return call, args, kwargs
             _add_edits(interleaver, edits, [None])
             interleaver.add(fn)
             return call, args, kwargs

@@ -26,6 +26,8 @@ import copy
 import operator
 import threading
 
+import torch
+
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
 from ..intervention.access import engine_of, module_of
@@ -72,7 +74,24 @@ class Export:
         call = self.original if run is None else run
         if not edits:
             return call(*args, **kwargs)  # no edit: the original, as it is
-        return engine.interleave([(noop, args, kwargs)], run=run, batcher=AS_GIVEN, edits=edits)
+        return engine.interleave([(noop, args, kwargs)], run=run, batcher=AS_GIVEN, edits=edits,
+                                 rows=_rows(args, kwargs, run))
+
+
+def _rows(args, kwargs, run):
+    """The rows of a call's batch, each of which gets its own replay of the edits (as an
+    invoke of one prompt would), or None (one replay over the whole batch): a generation
+    that expands rows (beam search, several sequences per prompt) keeps one replay."""
+    if run is not None and (int(kwargs.get("num_beams") or 1) > 1
+                            or int(kwargs.get("num_return_sequences") or 1) > 1
+                            or int(getattr(kwargs.get("generation_config"), "num_beams", 1) or 1) > 1):
+        return None
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = args[0] if args else None
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        return ids.shape[0]
+    return None
 
 
 class Exported:
