@@ -104,7 +104,7 @@ class Block:
 class StandInFrame:
     """`Block.stand_in_frame()`: the caller's frame as far as compiling its body goes."""
 
-    __slots__ = ("f_code", "f_lineno")
+    __slots__ = ("f_code",)
 
     def __init__(self, block):
         code = builtins.compile("", block.filename, "exec", dont_inherit=True)
@@ -112,7 +112,11 @@ class StandInFrame:
         if hasattr(code, "co_qualname"):
             names["co_qualname"] = block.co_qualname
         self.f_code = code.replace(**names)
-        self.f_lineno = block.lineno
+
+    @property
+    def f_lineno(self):
+        """The `with` line (a stand-in, not a frame: nothing to set)."""
+        return self.f_code.co_firstlineno
 
 
 #: Compiled bodies and body functions a Block keeps. One set of bound names and one globals
