@@ -31,6 +31,7 @@ import time
 from . import baseline as B
 from . import contenders as C
 from . import measure, report, runs, subjects, workloads
+from .prototype import Prototype
 
 
 def parse(argv):
@@ -42,7 +43,7 @@ def parse(argv):
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(subjects.SHAPES)}")
     p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(workloads.WORKLOADS)}")
     p.add_argument("--contenders", default=None,
-                   help="comma-separated, of raw, hooks, interlace, twin, baseline, nnsight, tlens")
+                   help="comma-separated, of raw, hooks, prototype, interlace, twin, baseline, nnsight, tlens")
     p.add_argument("--baseline", default=None, metavar="REF",
                    help="also measure interlace as it was at this git ref (built in place): before/after in one run")
     p.add_argument("--baseline-dir", default=None, metavar="DIR",
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
         wanted.add("baseline")  # asked for by name
     baseline = prepare_baseline(o) if o.baseline else None
     # in this process, kept across runs (their wrappers and nnsight's copies are made once)
-    here = [C.Raw(), C.Hooks(), C.Interlace(), C.NNsight(), C.TransformerLens()]
+    here = [C.Raw(), C.Hooks(), Prototype(), C.Interlace(), C.NNsight(), C.TransformerLens()]
     each = []
     for i in range(o.runs):
         if o.runs > 1:
@@ -249,8 +250,8 @@ def measure_once(o, settings, here, wanted, baseline) -> dict:
 
     With a measured baseline, this tree's interlace runs in a worker too, of the same kind as
     the baseline's (compiled, its src/ first on the path): before and after alike."""
-    raw, hooks, interlace, nnsight, tlens = here
-    everyone, workers = [raw, hooks], []
+    raw, hooks, prototype, interlace, nnsight, tlens = here
+    everyone, workers = [raw, hooks, prototype], []
     info = dict(baseline) if baseline else None
     try:
         if baseline and "skipped" not in baseline:
@@ -338,6 +339,8 @@ def run(o, settings, everyone, wanted, baseline) -> dict:
                 entry["summary"] = slopes(entry, cases)
             if wname == "as_module":
                 entry["exported"] = exported_over_trace(entry, cases)
+            if wname == "sweep_item" and cases:
+                entry["per_item"] = per_item(entry, cases[0])
             if wname == "wrapped":
                 entry["structural"] = wrapped_structure(cases[0], active, settings)
             results["workloads"][wname] = entry
@@ -368,6 +371,22 @@ def slopes(entry, cases) -> dict:
     for row in out.values():  # (plain hooks' slope lost in noise, at or below 0: no ratio)
         floor = row.get("floor_per_edit_us", ref)
         row["ratio"] = row["per_edit_us"] / floor if floor and floor > 0 else None
+    return out
+
+
+def per_item(entry, case) -> dict:
+    """The sweep probe's figures, us per item: the floor's own (and above the raw forward), and
+    each contender's over the floor (the median of the per-round differences over the item
+    count; a worker's against the floor timed in its own process)."""
+    row, floor = entry["cases"][case.label], case.floor
+    out = {}
+    if "median_us" in row.get(floor, {}):
+        out[floor] = {"us": row[floor]["median_us"], "over_raw_us": row[floor].get("over_raw_us")}
+    for name, cell in row.items():
+        if name not in (floor, "raw") and "overhead_us" in cell:
+            own = cell.get("own_floor_us")
+            out[name] = {"over_floor_us": cell["overhead_us"], "own": own is not None,
+                         "floor_us": own if own is not None else row[floor]["median_us"]}
     return out
 
 

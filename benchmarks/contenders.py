@@ -8,6 +8,8 @@ compared across contenders before anything is timed (`measure.agree`).
 
 * raw          the model's forward (or `generate`) alone: no reading, no editing
 * hooks        plain `register_forward_hook` doing the same reads and edits: the floor
+* prototype    issue 20's mechanism by hand, no interlace: instance `forward`s tapped by
+               closures that switch to one pooled greenlet running the body (prototype.py)
 * interlace    `interlace.Model` / `interlace.LanguageModel`, on whichever path this process
                loaded (the harness runs the pure-Python twin in a second process)
 * nnsight      nnsight 0.8.1, on its own deep copy of the module (it replaces every module's
@@ -38,6 +40,18 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+@functools.lru_cache(maxsize=None)
+def patching(s, repeat: int):
+    """The `sweep_item` workload's inputs on subject `s` (issue 20's sweep probe): every block's
+    output on the clean run, the corrupted run's ids, and the items: every (layer, position)
+    cell, `repeat` times over."""
+    from .probes import sweep as P
+
+    clean_ids, corrupt = P.inputs(s.shape.vocab, s.shape.tokens, s.device)
+    cells = [(layer, pos) for layer in range(s.shape.layers) for pos in range(s.shape.tokens)]
+    return P.clean_cache(s.module, s.layers(), clean_ids), corrupt, cells * repeat
+
+
 def _no_iteration_warning():
     """Open-ended `tracer.iter[:]` ends with a warning by design; the harness expects it."""
     import interlace
@@ -65,6 +79,7 @@ class Contender:
     def noop_tracer(self, s): return None
     def collect(self, s, items): return None
     def edited(self, s, how): return None
+    def sweep_item(self, s, repeat, batch): return None
 
 
 class Raw(Contender):
@@ -85,6 +100,16 @@ class Raw(Contender):
     def invokes(self, s, n):
         module, batch = s.module, torch.cat(s.rows(n))
         return lambda: (module(batch), None)[1]
+
+    def sweep_item(self, s, repeat, batch):
+        """The sweep's batched forwards alone."""
+        module, (_, corrupt, items) = s.module, patching(s, repeat)
+        sizes = [len(items[start:start + batch]) for start in range(0, len(items), batch)]
+
+        def run():
+            for n in sizes:
+                module(corrupt.expand(n, -1))
+        return run
 
     def generate(self, s, new):
         module, ids, kw = s.module, s.ids, _gen_kwargs(new)
@@ -180,6 +205,13 @@ class Hooks(Contender):
             return out[0]
         return run
 
+
+    def sweep_item(self, s, repeat, batch):
+        """Issue 20's floor: hooks hand-batched, one per layer writing its rows in a Python loop."""
+        from .probes import sweep as P
+
+        module, layers, (clean, corrupt, items) = s.module, s.layers(), patching(s, repeat)
+        return lambda: torch.cat(P.floor(module, layers, items, corrupt, clean, batch, per_row=True))
 
     def collect(self, s, items):
         from .probes import datasets as D
@@ -336,6 +368,13 @@ class Interlace(Contender):
     def wrapped(self, s):
         model, ids = self.model(s), s.ids
         return lambda: model(ids)
+
+    def sweep_item(self, s, repeat, batch):
+        from .probes import sweep as P
+
+        model, (clean, corrupt, items) = self.model(s), patching(s, repeat)
+        blocks, head = s.layers(model), s.lm_head(model)
+        return lambda: torch.cat(P.patch_sweep(model, blocks, head, items, corrupt, clean, batch)[0])
 
     def noop_tracer(self, s):
         from interlace import Backend, Tracer

@@ -1,8 +1,9 @@
 """The markdown report of a run: the hardware line, one table per workload, and the goals.
 
 Cells of timed workloads read `median us (ratio to the floor)`; a `≠` marks a contender
-whose results did not agree with the floor's (see measure.agree). The goals are issue 8's
-acceptance criteria, reported against this run's figures, not asserted. With a baseline
+whose results did not agree with the floor's (see measure.agree). The goals are issue 20's
+acceptance criteria (with issue 8's and 23's that it left as they were), reported against this
+run's figures, not asserted. With a baseline
 (`--baseline REF`), every workload gets a "before → after" line: the baseline's figure, this
 tree's, and their ratio (timed cases: the median of the per-round ratios, both having run in
 every round).
@@ -14,14 +15,18 @@ MIB = 1 << 20
 
 GOALS = (
     # (key, text (which workload it reads, in brackets), target, how to read it from the results)
-    ("fixed", "fixed cost per trace over plain hooks, tiny GPT-2 (us) [save_one: +us]", 30.0,
-     lambda r, c: _cell(r, "save_one", "tiny", c, "overhead_us")),
+    ("fixed", "fixed cost of a trace over plain hooks, 2x2 Linear (us) [fixed: +us]", 30.0,
+     lambda r, c: _cell(r, "fixed", "linear", c, "overhead_us")),
     ("save_one", "save one layer, tiny (x plain hooks) [save_one]", 1.03,
      lambda r, c: _cell(r, "save_one", "tiny", c, "ratio")),
+    ("save_one_prototype", "save one layer, tiny: us over the prototype contender (each one's +us over "
+     "plain hooks, same run) [save_one]", 20.0, lambda r, c: _over_prototype(r, "save_one", "tiny", c)),
     ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.05,
      lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
     ("save_all", "save every layer, tiny (x plain hooks) [save_all]", 1.05,
      lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
+    ("sweep_item", "sweep probe: us per item over the floor (done-when bound: 40) [sweep_item: +us]", 30.0,
+     lambda r, c: _cell(r, "sweep_item", None, c, "overhead_us")),
     ("edit_slope", "cost per edited location, k = 1..12 (x plain hooks' per edit) [edit_slope]", 2.0,
      lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
     ("as_module", "a call of edited.as_module()'s module, tiny (x a trace with the same edits) "
@@ -31,7 +36,7 @@ GOALS = (
      lambda r, c: _cell(r, "tracer", "tiny body", c, "ratio")),
     ("import", "`import interlace` over an empty interpreter (ms, wall) [import]", 30.0,
      lambda r, c: r["workloads"].get("import", {}).get("rows", {}).get(c, {}).get("over_empty_wall_ms")),
-    ("invokes", "16 invokes (x the plain-hook batch) [invokes]", 1.2,
+    ("invokes", "16 invokes (x the plain-hook batch) [invokes]", 1.15,
      lambda r, c: next((row.get(c, {}).get("ratio") for label, row in
                         r["workloads"].get("invokes", {}).get("cases", {}).items() if label.endswith("n=16")), None)),
     ("wrapped", "wrapped model outside a trace: met = no hooks, own forward; figure = us over the bare "
@@ -46,13 +51,20 @@ def _cell(results, workload, label, contender, key):
     return cases.get(label, {}).get(contender, {}).get(key)
 
 
+def _over_prototype(results, workload, label, contender):
+    """us `contender` costs over the prototype contender: the difference of their +us over plain
+    hooks (each against the floor of its own process), in the same run."""
+    mine, proto = (_cell(results, workload, label, c, "overhead_us") for c in (contender, "prototype"))
+    return None if contender == "prototype" or mine is None or proto is None else mine - proto
+
+
 def goals(results: dict) -> list:
-    """[{goal, target, baseline, interlace, twin, nnsight, met, met_before}] (met: the native
-    path's figure; met_before: the baseline's; None where unmeasured)."""
+    """[{goal, target, baseline, interlace, twin, nnsight, prototype, met, met_before}] (met:
+    the native path's figure; met_before: the baseline's; None where unmeasured)."""
     out = []
     for key, text, target, read in GOALS:
         row = {"goal": key, "text": text, "target": target}
-        for c in ("baseline", "interlace", "twin", "nnsight"):
+        for c in ("baseline", "interlace", "twin", "nnsight", "prototype"):
             row[c] = read(results, c)
         for c, met in (("interlace", "met"), ("baseline", "met_before")):
             value = row[c]
@@ -158,7 +170,7 @@ def markdown(results: dict) -> str:
     for wname, w in results["workloads"].items():
         lines += [f"### {w['title']}", ""]
         if w.get("goal"):
-            lines += [f"*Goal (issue 8): {w['goal']}.*", ""]
+            lines += [f"*Goal: {w['goal']}.*", ""]
         if "rows" in w:  # import, cold start
             keys = w["columns"]
             lines.append("| " + " | ".join(["contender"] + keys) + " |")
@@ -194,6 +206,17 @@ def markdown(results: dict) -> str:
                     lines.append(f"- {labels[c]}: {s['per_edit_us']:.1f} us per edit"
                                  + _spread(s.get("per_edit_us_spread"), 1, " (runs: ", ")")
                                  + (f" ({s['ratio']:.2f}x plain hooks')" if s.get("ratio") is not None else ""))
+            if "per_item" in w:
+                lines.append("")
+                for c, p in w["per_item"].items():
+                    if c == w["floor"]:
+                        raw = p.get("over_raw_us")
+                        lines.append(f"- {labels[c]}: {p['us']:.1f} us per item (the floor)"
+                                     + ("" if raw is None else f", {raw:+.1f} us per item over the raw forward"))
+                    else:
+                        lines.append(f"- {labels[c]}: {p['over_floor_us']:+.1f} us per item over the floor "
+                                     f"({p['floor_us']:.1f} us per item"
+                                     + (", in its own process)" if p.get("own") else ")"))
             if "exported" in w:
                 lines.append("")
                 for c, quotients in w["exported"].items():
@@ -212,13 +235,16 @@ def markdown(results: dict) -> str:
         lines.append("")
     yes = {True: "yes", False: "**no**", None: "—"}
     before = "baseline" in results["contenders"]
-    head = ["goal", "target"] + ([labels["baseline"]] if before else []) + ["interlace", "twin", "nnsight", "met"]
-    lines += ["### Goals (issue 8; interlace native unless marked)", "",
+    proto = "prototype" in results["contenders"]
+    head = (["goal", "target"] + ([labels["baseline"]] if before else []) + ["interlace", "twin", "nnsight"]
+            + (["prototype"] if proto else []) + ["met"])
+    lines += ["### Goals (issues 20 and 8; interlace native unless marked)", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in results["goals"]:
         cells = [g["text"], _num(g["target"])]
         if before:
             cells.append(f"{_num(g['baseline'])} ({yes[g['met_before']]})")
-        cells += [_num(g["interlace"]), _num(g["twin"]), _num(g["nnsight"]), yes[g["met"]]]
+        cells += [_num(g["interlace"]), _num(g["twin"]), _num(g["nnsight"])]
+        cells += ([_num(g.get("prototype"))] if proto else []) + [yes[g["met"]]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -36,7 +36,8 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+if not __package__:  # run as a script: this checkout's src/ (the harness has put the right one first)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 import interlace  # noqa: E402 - after the sys.path line that finds src/
 
@@ -63,33 +64,100 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def inputs(vocab, tokens, device):
+    """The clean and the corrupted run's token ids, (1, tokens) each, seeded."""
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+    return clean, torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+
+
+def clean_cache(gpt2, blocks, ids):
+    """Every block's output on the clean run (plain hooks: no interlace needed)."""
+    out = []
+    handles = [block.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o))
+               for block in blocks]
+    try:
+        gpt2(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def patch_sweep(model, blocks, head, cells, corrupt, clean, batch_size=None, **kwargs):
+    """interlace's `model.sweep` patching one (layer, position) per item (`blocks`, `head`:
+    the model's block list and unembedding, as envoys; `kwargs`: more of sweep's keywords):
+    (every item's logit difference, the batch size it ran with)."""
+    with torch.no_grad(), model.sweep(cells, input=corrupt, batch_size=batch_size, progress=False,
+                                      **kwargs) as sweep:
+        layer, pos = sweep.item
+        blocks[layer].output[:, pos] = clean[layer][:, pos]
+        logits = head.output[:, -1]
+        diff = (logits[:, A] - logits[:, B]).save()
+    return diff, sweep.chosen_batch_size
+
+
+def routes(chunk):
+    """{layer: [(row, position), ...]}: which rows of a batch of `chunk`'s cells patch each layer."""
+    out = {}
+    for row, (layer, pos) in enumerate(chunk):
+        out.setdefault(layer, []).append((row, pos))
+    return out
+
+
+def write_rows(output, clean, pairs):
+    """Patch each (row, position) of `output` from the clean run, one row at a time."""
+    for row, pos in pairs:
+        output[row, pos] = clean[0, pos]
+
+
+def floor(gpt2, blocks, cells, corrupt, clean, batch_size, per_row=False):
+    """Plain forward hooks, hand-batched at `batch_size`: one hook per patched layer writing
+    its rows (at once by indexing; `per_row`: in a Python loop, issue 20's floor), the logit
+    difference computed batched. One (rows,) tensor per batch."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(cells), batch_size):
+            chunk = cells[start:start + batch_size]
+            handles = []
+            for layer, pairs in routes(chunk).items():
+                if per_row:
+                    def hook(module, args, output, pairs=pairs, cache=clean[layer]):
+                        write_rows(output, cache, pairs)
+                else:
+                    rows = torch.tensor([row for row, _ in pairs], device=corrupt.device)
+                    positions = torch.tensor([pos for _, pos in pairs], device=corrupt.device)
+
+                    def hook(module, args, output, rows=rows, positions=positions, cache=clean[layer]):
+                        output[rows, positions] = cache[0, positions]
+
+                handles.append(blocks[layer].register_forward_hook(hook))
+            try:
+                logits = gpt2(corrupt.expand(len(chunk), -1)).logits[:, -1]
+            finally:
+                for handle in handles:
+                    handle.remove()
+            out.append(logits[:, A] - logits[:, B])
+    return out
+
+
 class Patching:
     """The every-(layer, position) patching sweep on one model, written four ways."""
 
     def __init__(self, gpt2, tokens, device):
         self.gpt2, self.device = gpt2, device
         self.model = interlace.Model(gpt2)
-        vocab = gpt2.config.vocab_size
-        g = torch.Generator().manual_seed(1)
-        self.clean_ids = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
-        self.corrupt = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
+        self.clean_ids, self.corrupt = inputs(gpt2.config.vocab_size, tokens, device)
         layers = gpt2.config.n_layer
         self.cells = [(layer, pos) for layer in range(layers) for pos in range(tokens)]
-        model = self.model
-        with torch.no_grad(), model.trace(self.clean_ids):
-            clean = [block.output for block in model.transformer.h].save()
-        self.clean = clean
+        with torch.no_grad():
+            self.clean = clean_cache(gpt2, gpt2.transformer.h, self.clean_ids)
         self.chosen = None
 
     def sweep(self, batch_size=None):
-        model, clean = self.model, self.clean
-        with torch.no_grad(), model.sweep(self.cells, input=self.corrupt, batch_size=batch_size,
-                                          progress=False) as sweep:
-            layer, pos = sweep.item
-            model.transformer.h[layer].output[:, pos] = clean[layer][:, pos]
-            logits = model.lm_head.output[:, -1]
-            diff = (logits[:, A] - logits[:, B]).save()
-        self.chosen = sweep.chosen_batch_size
+        model = self.model
+        diff, self.chosen = patch_sweep(model, model.transformer.h, model.lm_head, self.cells, self.corrupt,
+                                  self.clean, batch_size)
         return diff
 
     def trace(self):
@@ -103,32 +171,8 @@ class Patching:
         return out
 
     def floor(self, batch_size):
-        gpt2, clean, cells, out = self.gpt2, self.clean, self.cells, []
-        blocks = gpt2.transformer.h
-        with torch.no_grad():
-            for start in range(0, len(cells), batch_size):
-                chunk = cells[start:start + batch_size]
-                routes = {}
-                for row, (layer, pos) in enumerate(chunk):
-                    rows, positions = routes.setdefault(layer, ([], []))
-                    rows.append(row)
-                    positions.append(pos)
-                handles = []
-                for layer, (rows, positions) in routes.items():
-                    rows = torch.tensor(rows, device=self.device)
-                    positions = torch.tensor(positions, device=self.device)
-
-                    def hook(module, args, output, rows=rows, positions=positions, layer=layer):
-                        output[rows, positions] = clean[layer][0, positions]
-
-                    handles.append(blocks[layer].register_forward_hook(hook))
-                try:
-                    logits = gpt2(self.corrupt.expand(len(chunk), -1)).logits[:, -1]
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                out.extend((logits[:, A] - logits[:, B]).unbind(0))
-        return out
+        chunks = floor(self.gpt2, self.gpt2.transformer.h, self.cells, self.corrupt, self.clean, batch_size)
+        return [d for chunk in chunks for d in chunk.unbind(0)]
 
     def nnsight(self):
         import nnsight
@@ -326,14 +370,9 @@ def bench_ray(device, dtype, rounds):
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         def on_ray():
-            model, clean = p.model, p.clean
-            with torch.no_grad(), model.sweep(p.cells, input=p.corrupt, executor="ray", workers=2,
-                                              progress=False) as sweep:
-                layer, pos = sweep.item
-                model.transformer.h[layer].output[:, pos] = clean[layer][:, pos]
-                logits = model.lm_head.output[:, -1]
-                diff = (logits[:, A] - logits[:, B]).save()
-            return diff
+            model = p.model
+            return patch_sweep(model, model.transformer.h, model.lm_head, p.cells, p.corrupt, p.clean,
+                               executor="ray", workers=2)[0]
 
         first = timed(on_ray, device)
         remote = [timed(on_ray, device) for _ in range(rounds)]

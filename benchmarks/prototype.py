@@ -1,0 +1,136 @@
+"""The `prototype` contender: issue 20's tapped, pooled greenlet, written by hand without interlace.
+
+The mechanism issue 20 measured to tie plain hooks: each module the body reads or edits has
+its instance `forward` replaced (in its `__dict__`) by a closure that calls the original
+forward and, when the body waits for this module, switches to the body's greenlet, handing it
+the output; the body runs on until it waits for the next module (or ends) and hands back a
+replacement, if it made one. One greenlet, started once at top level, runs every body: it is
+reused across traces, never made per trace. The closures are installed and removed around
+each run, as plain hooks are registered and removed. The bodies are plain Python functions,
+one per workload, doing the same reads and edits as the other contenders. Nothing else an
+engine does (envoys, a deferred body, checks) is there: it is what a greenlet engine's
+mechanism costs, for interlace's own steps to be measured against.
+"""
+
+from __future__ import annotations
+
+import greenlet
+import torch
+
+from .contenders import Contender, _first, patching
+from .probes import sweep as P
+
+
+class Tap:
+    """The pooled body greenlet and the closures that hand it module outputs."""
+
+    def __init__(self):
+        self.body = self.driver = self.waiting = self.new = self.result = self.error = None
+        self.closures = {}  # module -> its closure, made once, installed per run
+
+    def wait(self, module):
+        """In a body: the output of `module`'s next call."""
+        self.waiting, new, self.new = module, self.new, None
+        return self.driver.switch(new)  # (hands back the replacement for the last output)
+
+    def replace(self, value):
+        """In a body: `value` replaces the output `wait` returned last."""
+        self.new = value
+
+    def _loop(self, job):
+        while True:  # one job (a body) per run, on this one greenlet
+            try:
+                self.result, self.error = job(), None
+            except Exception as error:  # noqa: BLE001 - raised in the driver
+                self.result, self.error = None, error
+            self.waiting, new, self.new = None, self.new, None
+            job = self.driver.switch(new)
+
+    def closure(self, module):
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.waiting is module:
+                new = self.body.switch(out)
+                if new is not None:
+                    out = new
+            return out
+        return forward
+
+    def run(self, modules, body, call):
+        """`call()` (the forward) with `modules` tapped and `body` run beside it: its result."""
+        if self.body is None:
+            self.body = greenlet.greenlet(self._loop)
+        self.driver = greenlet.getcurrent()
+        for m in modules:
+            if m not in self.closures:
+                self.closures[m] = self.closure(m)
+            m.__dict__["forward"] = self.closures[m]
+        try:
+            self.body.switch(body)  # the body runs up to its first wait
+            call()
+        finally:
+            for m in modules:
+                del m.__dict__["forward"]
+            if self.waiting is not None:  # left mid-body (the forward raised): a fresh greenlet
+                self.body = self.waiting = None
+                raise RuntimeError("the body waited for a module the forward did not call")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Prototype(Contender):
+    name, label = "prototype", "tapped greenlet (prototype)"
+
+    def __init__(self):
+        self.tap = Tap()
+
+    def save_one(self, s):
+        module, ids, layer, tap = s.module, s.ids, s.layers()[0], self.tap
+        return lambda: tap.run([layer], lambda: _first(tap.wait(layer)), lambda: module(ids))
+
+    def save_all(self, s):
+        module, ids, layers, tap = s.module, s.ids, list(s.layers()), self.tap
+        return lambda: tap.run(layers, lambda: [_first(tap.wait(layer)) for layer in layers], lambda: module(ids))
+
+    def zero_mlps(self, s, k=None):
+        module, ids, head, tap = s.module, s.ids, s.lm_head(), self.tap
+        mlps = [layer.mlp for layer in s.layers()][:k]
+
+        def body():
+            for mlp in mlps:
+                tap.replace(torch.zeros_like(tap.wait(mlp)))
+            return tap.wait(head)
+        return lambda: tap.run(mlps + [head], body, lambda: module(ids))
+
+    def fixed(self, s):
+        module, x, tap = s.module, s.ids, self.tap
+        return lambda: tap.run([module], lambda: tap.wait(module), lambda: module(x))
+
+    def invokes(self, s, n):  # as plain hooks: one batch of n rows
+        module, layer, batch, tap = s.module, s.layers()[0], torch.cat(s.rows(n)), self.tap
+        return lambda: tap.run([layer], lambda: list(_first(tap.wait(layer)).split(1)), lambda: module(batch))
+
+    def sweep_item(self, s, repeat, batch):
+        """Per batch of items, one body: each layer's rows patched in a Python loop (as the
+        floor's hooks do), the logit difference computed batched."""
+        module, blocks, head, tap = s.module, list(s.layers()), s.lm_head(), self.tap
+        clean, corrupt, items = patching(s, repeat)
+
+        def run():
+            out = []
+            for start in range(0, len(items), batch):
+                chunk = items[start:start + batch]
+                routes = P.routes(chunk)
+                tapped = [blocks[layer] for layer in sorted(routes)]
+
+                def body(routes=routes):
+                    for layer in sorted(routes):
+                        P.write_rows(_first(tap.wait(blocks[layer])), clean[layer], routes[layer])
+                    logits = tap.wait(head)[:, -1]
+                    return logits[:, P.A] - logits[:, P.B]
+                out.append(tap.run(tapped + [head], body, lambda: module(corrupt.expand(len(chunk), -1))))
+            return torch.cat(out)
+        return run
