@@ -7,8 +7,8 @@
     python -m benchmarks --baseline 2eafd86       # before/after: interlace at 2eafd86, built, beside this tree's
     python -m benchmarks --runs 3 --baseline 2eafd86   # the same three times: medians and spread
 
-Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), interlace
-native, the interlace twin (a worker process, taking turns with this one), with --baseline
+Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), issue 20's
+tapped-greenlet prototype (benchmarks/prototype.py), interlace native, the interlace twin (a worker process, taking turns with this one), with --baseline
 interlace as it was at that git ref (benchmarks/baseline.py; another worker process), nnsight
 0.8.1 and TransformerLens when installed (`pip install -e '.[bench]'`); a missing one is
 skipped with a line saying so. With a baseline, this tree's interlace runs in a worker too, so

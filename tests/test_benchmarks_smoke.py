@@ -77,7 +77,7 @@ def test_every_workload_reports(run):
 def test_contenders_present_or_skipped_with_a_reason(run):
     results, markdown = run
     names = results["contenders"]
-    assert {"raw", "hooks", "interlace", "twin"} <= set(names)
+    assert {"raw", "hooks", "prototype", "interlace", "twin"} <= set(names)
     if _head():  # (without git the baseline is skipped with a line, checked just below)
         assert "baseline" in names, results["skipped"]
     for label, why in results["skipped"].items():
@@ -125,7 +125,30 @@ def test_structure_memory_and_fresh_processes(run):
     for name in ("interlace", "twin"):
         assert w["cold_start"]["rows"][name]["first_ms"] > 0
         assert w["import"]["rows"][name]["wall_ms"] > 0
-    assert {g["goal"] for g in results["goals"]} >= {"fixed", "save_one", "edit_slope", "tracer", "import", "invokes"}
+    assert {g["goal"] for g in results["goals"]} >= {"fixed", "save_one", "save_one_prototype", "sweep_item",
+                                                     "edit_slope", "tracer", "import", "invokes"}
+
+
+def test_prototype_and_the_sweep_probe(run):
+    """Issue 20's prototype contender does every workload its bodies cover, agreeing with plain
+    hooks; the sweep probe reports us per item over the floor for every interlace path."""
+    results, markdown = run
+    w = results["workloads"]
+    for wname in ("save_one", "zero_mlps", "save_all", "fixed", "invokes", "sweep_item"):
+        for label, row in w[wname]["cases"].items():
+            assert row["prototype"]["agrees"] is True, (wname, label)
+    (label, row), = w["sweep_item"]["cases"].items()
+    assert label == "tiny, 256 items" and row["hooks"]["rounds"] >= 2
+    per_item = w["sweep_item"]["per_item"]
+    assert per_item["hooks"]["us"] > 0
+    for name in {"prototype", "interlace", "twin", "baseline"} & set(results["contenders"]):
+        assert per_item[name]["floor_us"] > 0 and "over_floor_us" in per_item[name], name
+        assert f"- {results['labels'][name]}: " in markdown
+    goals = {g["goal"]: g for g in results["goals"]}
+    assert goals["sweep_item"]["interlace"] == row["interlace"]["overhead_us"]
+    assert goals["save_one_prototype"]["interlace"] == pytest.approx(
+        w["save_one"]["cases"]["tiny"]["interlace"]["overhead_us"]
+        - w["save_one"]["cases"]["tiny"]["prototype"]["overhead_us"])
 
 
 def test_baseline_is_the_commit_built_from_its_own_tree(run):
@@ -146,7 +169,8 @@ def test_baseline_is_the_commit_built_from_its_own_tree(run):
         for row in entry.get("cases", {}).values():
             assert row["interlace"]["vs_baseline"] > 0, wname  # after / before, round by round
     assert set(results["before_after"]) >= {"save_one", "zero_mlps", "save_all", "edit_slope", "invokes",
-                                            "fixed", "wrapped", "tracer", "peak_memory", "cold_start", "import"}
+                                            "fixed", "sweep_item", "wrapped", "tracer", "peak_memory", "cold_start",
+                                            "import"}
     assert markdown.count(f"- before → after ({base['label']} → interlace): ") == len(results["before_after"])
     # before and after alike: each in a worker process of its own, neither in the harness's
     workers = results["workers"]
