@@ -138,7 +138,9 @@ def redirect(code, int unit, int delta):
 
 def write_back(frame, values):
     """Write `values` into `frame`'s variables: fast locals and cells, module globals,
-    or a class body's namespace."""
+    or a class body's namespace. A function frame's `f_locals` snapshot (3.10-3.12), synced
+    to write through it, is emptied after: it would keep every local of that moment alive
+    (see `skip.release_locals`)."""
     if not values:
         return
     if not frame.f_code.co_flags & CO_OPTIMIZED:   # module or class body
@@ -152,6 +154,7 @@ def write_back(frame, values):
     f_locals = frame.f_locals             # synced from the fast locals by the getter
     f_locals.update(values)
     PyFrame_LocalsToFast(frame, 0)
+    f_locals.clear()
 
 
 cdef extern from *:

@@ -343,7 +343,9 @@ def redirect(code, unit, delta):
 
 def write_back(frame, values):
     """Write `values` into `frame`'s variables: fast locals and cells, module globals,
-    or a class body's namespace."""
+    or a class body's namespace. A function frame's `f_locals` snapshot (3.10-3.12), synced
+    to write through it, is emptied after: it would keep every local of that moment alive
+    (see `skip.release_locals`)."""
     if not values:
         return
     if not frame.f_code.co_flags & V.CO_OPTIMIZED:  # module or class body
@@ -359,3 +361,4 @@ def write_back(frame, values):
     f_locals = frame.f_locals
     f_locals.update(values)
     ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+    f_locals.clear()

@@ -298,9 +298,9 @@ def suppresses(exc_type) -> bool:
 
 def write_back(frame, values: dict) -> None:
     """Write `values` into the caller: fast locals and cells (3.10-3.13), module globals,
-    class-body namespaces."""
+    class-body namespaces (the mechanism empties the `f_locals` snapshot it wrote through,
+    as `release_locals` would)."""
     frames.write_back(frame, values)
-    release_locals(frame)
 
 
 def release_locals(frame, snapshot=None) -> None:
