@@ -82,6 +82,9 @@ class Batcher:
                         f"{dim}: batch_dim names the inputs' batch dimension (interlace.Model("
                         f"module, batch_dim=...)); pass inputs that have it"
                     )
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.dim() > dim:  # the common case: rows_of's answer
+            return Prepared(tuple(args), dict(kwargs), first.shape[dim])
         rows = rows_of(args, self.dim)
         if rows is None:
             rows = rows_of(kwargs, self.dim)
