@@ -182,6 +182,24 @@ STOPPED = 4  # the body called tracer.stop()
 cdef extern from "pythread.h":
     unsigned long PyThread_get_thread_ident()
 
+cdef extern from "_chotpath_impl.h":
+    const int ILH_UNWIND_STOP
+    object ilh_outermost(object fn)
+
+UNWIND_STOP = bool(ILH_UNWIND_STOP)
+"""True where `outermost`'s native frame ends every unwind (x86-64 and aarch64 Linux)."""
+
+
+def outermost(fn):
+    """Return fn(), called from a native frame whose unwind information marks it outermost.
+
+    A worker greenlet's run: the C stack above a greenlet's first frame is not its own once
+    it is resumed from elsewhere, and an unwinder that walks into it (torch records a native
+    backtrace for every error it raises) can crash. Where UNWIND_STOP is False this is a
+    plain call.
+    """
+    return ilh_outermost(fn)
+
 
 cdef class MediatorCore:
     """The fields of a mediator the exchange reads and writes as struct fields, not by name.

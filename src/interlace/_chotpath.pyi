@@ -44,6 +44,9 @@ PARKED: int
 DONE: int
 FAILED: int
 STOPPED: int
+UNWIND_STOP: bool
+
+def outermost(fn: Callable[[], Any]) -> Any: ...
 
 class MediatorCore:
     index: int

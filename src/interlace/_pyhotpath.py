@@ -160,6 +160,14 @@ DONE = 2  # the body returned
 FAILED = 3  # the body raised
 STOPPED = 4  # the body called tracer.stop()
 
+UNWIND_STOP = False
+"""The twin has no native frame to end an unwind with (see the .pyx's `outermost`)."""
+
+
+def outermost(fn):
+    """Return fn(): the compiled twin calls it from a frame that ends native unwinds."""
+    return fn()
+
 
 def _invoke_order(mediator):
     return mediator.index

@@ -89,25 +89,27 @@ def install(run, key):
 
 
 def _hook(run, key, index):
-    """Fire `key`'s events for `run`: from module `index`'s Tap (made here, once per run), or
-    from a torch hook when the module cannot have one (`_tappable`)."""
+    """Fire `key`'s events for `run`: from module `index`'s Tap (installed here, once per run),
+    or from a torch hook when the module cannot have one (`_tappable`)."""
     run.hub.observe(key)
     tap = run.taps.get(index)
     if tap is None:
         state = run.state
         module = state.modules[index]
-        if module.__dict__.get("forward") is not state.forwards[index]:
+        module_dict = module.__dict__
+        current = module_dict.get("forward")  # an instance forward, or None (the class's)
+        if current is not state.forwards[index]:
             check_forward(run, index, module)
-        if not _tappable(module):
+        if not _tappable(module_dict, type(module)):
             if key & 1:
                 run.handles[key] = attach(module, run.post_hook(key), False)
             else:
                 run.handles[key] = attach(module, run.pre_hook(key), True)
             return
         # the Tap wraps whatever forward the module has now (an accelerate or user wrapper)
-        tap = run.taps[index] = hotpath.Tap(run, module.forward)
-        module_dict = module.__dict__
-        run.tapped[index] = (module, module_dict.get("forward", _MISSING))
+        tap = hotpath.Tap(run, module.forward if current is None else current)
+        run.taps[index] = tap
+        run.tapped[index] = (module_dict, _MISSING if current is None else current)
         module_dict["forward"] = tap
     if key & 1:
         tap.post = key
@@ -163,31 +165,58 @@ def _user_frame():
 _PACKAGE_DIR = __file__.rsplit("intervention", 1)[0]
 
 
-def _tappable(module):
-    """Can `module`'s events come from a Tap? Not when torch would call it on its slow path
+# torch's global module hooks (registered by `register_module_forward_hook` and the like):
+# the dicts themselves, which torch mutates in place, read without a module lookup per trace.
+_GLOBAL_HOOKS = tuple(
+    getattr(_torch_module, name, {})  # (a torch without one: an empty dict stands in)
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks")
+)
+_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _tappable(module_dict, cls):
+    """Can a module's events come from a Tap? Not when torch would call it on its slow path
     anyway (hooks of its own, or global ones): our hooks then run after those, as before;
-    nor when its class would not find an instance `forward` (`_forward_by_instance`)."""
-    m = _torch_module
-    return _DIRECT_HOOKS and not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-        or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-        or m._global_backward_hooks or m._global_backward_pre_hooks
-    ) and _forward_by_instance(type(module))
+    nor when its class would not find an instance `forward` (`_forward_by_instance`).
+    Reads the module's instance dict (`module_dict`) directly: an attribute read of an
+    `nn.Module` goes through its `__getattr__` hook, several times the cost."""
+    if not _DIRECT_HOOKS:
+        return False
+    forward, forward_pre, backward, backward_pre = _GLOBAL_HOOKS
+    if forward or forward_pre or backward or backward_pre:
+        return False
+    for name in _OWN_HOOKS:
+        if module_dict.get(name):
+            return False
+    entry = _BY_CLASS.get(id(cls))
+    if entry is None or entry[0]() is not cls:
+        entry = _remember_class(cls)
+    return entry[1]
 
 
-_BY_INSTANCE = weakref.WeakKeyDictionary()  # module class -> does `self.forward` read the instance?
+# id(class) -> (weak reference to it, `_forward_by_instance(class)`): a plain dict read per
+# install (a WeakKeyDictionary lookup is a Python call); an entry goes with its class.
+_BY_CLASS = {}
+
+
+def _remember_class(cls):
+    key = id(cls)
+
+    def forget(ref):
+        if _BY_CLASS.get(key, (None,))[0] is ref:
+            del _BY_CLASS[key]
+
+    entry = _BY_CLASS[key] = (weakref.ref(cls, forget), _forward_by_instance(cls))
+    return entry
 
 
 def _forward_by_instance(cls):
     """Does a call of a `cls` module run `self.forward` as set on the instance? Not for a
     scripted module (its forward is compiled) or a class whose `forward` is a data descriptor
-    (a property: the instance's dict is never read). Cached per class."""
-    known = _BY_INSTANCE.get(cls)
-    if known is None:
-        forward = inspect.getattr_static(cls, "forward", None)
-        known = _BY_INSTANCE[cls] = not (
-            issubclass(cls, torch.jit.ScriptModule) or hasattr(type(forward), "__set__"))
-    return known
+    (a property: the instance's dict is never read). Remembered per class (`_BY_CLASS`)."""
+    forward = inspect.getattr_static(cls, "forward", None)
+    return not (issubclass(cls, torch.jit.ScriptModule) or hasattr(type(forward), "__set__"))
 
 
 def forward_of(module):
@@ -261,21 +290,23 @@ def remove(run):
             detach(token)
     run.handles.clear()
     if run.taps:
-        for index, (module, previous) in run.tapped.items():
-            tap = run.taps[index]
+        taps = run.taps
+        for index, (module_dict, previous) in run.tapped.items():
+            tap = taps[index]
             tap.pre = tap.post = -1  # a reference kept somewhere fires nothing more
-            if module.__dict__.get("forward") is tap:  # (unless the user replaced it since)
+            if module_dict.get("forward") is tap:  # (unless the user replaced it since)
                 if previous is _MISSING:
-                    del module.__dict__["forward"]
+                    del module_dict["forward"]
                 else:
-                    module.__dict__["forward"] = previous
+                    module_dict["forward"] = previous
         run.taps.clear()
         run.tapped.clear()
-    for module, previous in run.overrides.values():
-        if module is None:
-            continue  # it was inside a tap
-        if previous is _MISSING:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
-    run.overrides.clear()
+    if run.overrides:
+        for module, previous in run.overrides.values():
+            if module is None:
+                continue  # it was inside a tap
+            if previous is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        run.overrides.clear()

@@ -74,7 +74,7 @@ class Interleaver(hotpath.Exchange):
         self.mediators = []
         self.handles = {}  # key -> hook token, or None for a key its module's Tap fires (hooks.py)
         self.taps = {}  # module index -> its Tap for this run (hooks.py)
-        self.tapped = {}  # module index -> (module, instance forward before the Tap, or missing)
+        self.tapped = {}  # module index -> (its instance dict, instance forward before the Tap, or missing)
         self.overrides = {}  # module index -> (module, previous instance forward or missing)
         self.skips = {}  # module index -> list of (rows, value) for the current occurrence
         self.cut_short = []  # (message, filename, lineno) warned at the end

@@ -28,6 +28,7 @@ PARKED = hotpath.PARKED  # the body waits for a value (it is in the hub's table)
 DONE = hotpath.DONE  # the body returned
 FAILED = hotpath.FAILED  # the body raised; mediator.error holds the exception
 STOPPED = hotpath.STOPPED  # the body called tracer.stop()
+UNWIND_STOP = hotpath.UNWIND_STOP  # a worker's first frame ends native unwinds
 
 
 class Cancelled(BaseException):
@@ -83,8 +84,10 @@ def _worker_loop():
 
 
 def _new_worker():
-    worker = greenlet(_worker_loop)
-    worker.switch()  # runs to its first wait, holding no job
+    # Its first native frame is `hotpath.outermost`'s, which ends every unwind of its C stack
+    # (natively, on x86-64 and aarch64 Linux; see `Mediator.start`).
+    worker = greenlet(hotpath.outermost)
+    worker.switch(_worker_loop)  # runs to its first wait, holding no job
     return worker
 
 
@@ -120,11 +123,12 @@ class Mediator(hotpath.MediatorCore):
             worker = _new_worker()
             # A worker made while another trace body runs (a trace nested in a Tracer's body)
             # starts deeper in the C stack than a later trace would resume it from. When torch
-            # raises inside a body, its error (c10::Error) records a native backtrace, and the
-            # unwinder walks on past the worker's first frame into the stack above it: for
-            # such a worker, dead frames of the trace that made it, which crashed the process.
-            # It does this one job only (see docs/architecture.md, "Where a trace's time goes").
-            worker.single_use = _trace_running() is not None
+            # raises inside a body, its error (c10::Error) records a native backtrace, and an
+            # unwinder that walks on past the worker's first frame reads dead frames of the
+            # trace that made it, which crashes the process. Where `hotpath.outermost` ends
+            # the walk (UNWIND_STOP) the worker is pooled; elsewhere it does this one job only
+            # (see docs/architecture.md, "Where a trace's time goes").
+            worker.single_use = not UNWIND_STOP and _trace_running() is not None
         worker.parent = getcurrent()
         self.worker = worker
         # `_enter(self._job)` inlined (one call less per trace): the body starts in the

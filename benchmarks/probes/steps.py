@@ -1,0 +1,300 @@
+"""Where one warm trace's instructions go, step by step, counted with callgrind (not timed).
+
+    python benchmarks/probes/steps.py              # tiny GPT-2, save layer 0's output (save_one)
+    python benchmarks/probes/steps.py --traces 20  # more traces (the counts barely move)
+
+Issue 20 asks for interlace's fixed steps measured one by one against the prototype (a tapped,
+reused greenlet written by hand, `benchmarks/prototype.py`). Timing them one by one is hopeless
+on a noisy 2-core VM; counting instructions is exact and load-independent. The probe runs
+itself under `valgrind --tool=callgrind` with collection off, then, around each warm trace:
+
+* wraps interlace's steps (the functions in STEPS) so that each call marks its start and end
+  with a callgrind dump (a client request through a 10-line C helper built here with the
+  system's compiler and `valgrind/callgrind.h`);
+* adds the instructions between marks to every step open at that moment (per greenlet: a body
+  parked in `wait` is not "inside" the model side's steps), minus the marks' own cost
+  (calibrated on an empty wrapped function);
+* counts the raw forward, plain hooks and the prototype the same way, whole.
+
+Rows are inclusive instructions per trace (a step's callees included; indentation shows
+nesting as first seen) and calls per trace. "trace, whole" is interlace's full `with` block.
+Needs valgrind, its headers and a C compiler; says so and exits 0 when one is missing.
+Instruction counts are not time: after a forward evicts the caches a step's instructions run
+about 4x slower than in a tight loop, so they rank the steps, they do not price them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# (module, attribute path) of each step wrapped: one warm `save_one` trace's path through the
+# tracer core, the engine, the interleaver and the mediator.
+STEPS = [
+    ("interlace.models.model", "Model.trace"),
+    ("interlace.intervention.tracer", "_InterleavingBackend.__call__"),
+    ("interlace.tracing.tracer", "Tracer.defer"),
+    ("interlace.intervention.body", "BodyJob.__init__"),
+    ("interlace.intervention.engine", "Engine.interleave"),
+    ("interlace.intervention.interleaver", "Interleaver.reset"),
+    ("interlace.intervention.interleaver", "Interleaver.add"),
+    ("interlace.intervention.interleaver", "Interleaver.run"),
+    ("interlace.intervention.interleaver", "Interleaver._start"),
+    ("interlace.intervention.interleaver", "Interleaver._teardown"),
+    ("interlace.intervention.interleaver", "Interleaver.read"),
+    ("interlace.intervention.hooks", "install"),
+    ("interlace.intervention.hooks", "_hook"),
+    ("interlace.intervention.hooks", "_tappable"),
+    ("interlace._native", "hotpath.Hub"),
+    ("interlace.intervention.hooks", "remove"),
+    ("interlace.intervention.mediator", "Mediator._release"),
+    ("interlace.tracing.skip", "write_back"),
+    ("interlace.tracing.skip", "release_locals"),
+    ("interlace.tracing.deferred", "DeferredBody.__init__"),
+    ("interlace.intervention.mediator", "Mediator.start"),
+    ("interlace.intervention.body", "BodyJob.__call__"),
+    ("interlace.tracing.deferred", "DeferredBody.run"),
+    ("interlace.tracing.tracer", "Tracer.push_result"),
+    ("interlace.intervention.tracer", "InterleavingTracer.release"),
+]
+
+HELPER = r"""
+#include <valgrind/callgrind.h>
+void il_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; CALLGRIND_TOGGLE_COLLECT; }
+void il_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
+void il_mark(void) { CALLGRIND_DUMP_STATS; }
+"""
+
+
+def build_helper(folder):
+    """The marks' C helper, or a line saying why it cannot be had."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if shutil.which("valgrind") is None:
+        return None, "valgrind is not installed"
+    if cc is None:
+        return None, "no C compiler (cc/gcc) to build the marks' helper"
+    source = os.path.join(folder, "marks.c")
+    library = os.path.join(folder, "libmarks.so")
+    with open(source, "w") as f:
+        f.write(HELPER)
+    done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", library, source],
+                          capture_output=True, text=True)
+    if done.returncode:
+        return None, f"the marks' helper did not build (valgrind's headers?): {done.stderr.strip()[:200]}"
+    return library, None
+
+
+# -- inside callgrind ---------------------------------------------------------------------
+
+def inside(folder, traces):
+    import ctypes
+
+    import torch
+    from greenlet import getcurrent
+
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    sys.path.insert(0, ROOT)
+    import interlace
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    marks = ctypes.CDLL(os.path.join(folder, "libmarks.so"))
+    mark = marks.il_mark
+    log = []  # (step, +1 start / -1 end, greenlet id), in the order of the dumps
+    on = [False]
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def step(*args, **kwargs):
+            if not on[0]:
+                return fn(*args, **kwargs)
+            who = id(getcurrent())
+            log.append((name, 1, who))
+            mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                log.append((name, -1, who))
+                mark()
+        return step
+
+    import importlib
+    for module_name, path in STEPS:
+        module = importlib.import_module(module_name)
+        owner = module
+        *parents, attr = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        setattr(owner, attr, wrap(path, getattr(owner, attr)))
+
+    def empty():
+        return None
+
+    calibrate = wrap("calibrate", empty)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0,
+                        eos_token_id=0)
+    module = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 1000, (1, 16))
+    model = interlace.Model(module)
+    block = module.transformer.h[0]
+
+    def trace():
+        with model.trace(ids):
+            out = model.transformer.h[0].output.save()
+        return out
+
+    whole = wrap("trace, whole", trace)
+
+    def raw():
+        return module(ids)
+
+    def hooks():
+        kept = []
+        handle = block.register_forward_hook(lambda m, a, o: kept.append(o))
+        try:
+            module(ids)
+        finally:
+            handle.remove()
+        return kept
+
+    from benchmarks.prototype import Tap
+
+    tap = Tap()
+
+    def prototype():
+        return tap.run([block], lambda: tap.wait(block), lambda: module(ids))
+
+    totals = {}
+    with torch.no_grad():
+        for fn in (raw, hooks, prototype, whole, calibrate):
+            for _ in range(30):
+                fn()
+        for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype)):
+            marks.il_start()
+            for _ in range(traces):
+                fn()
+            marks.il_stop()
+            totals[name] = traces
+        on[0] = True
+        marks.il_start()
+        for _ in range(traces):
+            calibrate()
+        for _ in range(traces):
+            whole()
+        marks.il_stop()
+    with open(os.path.join(folder, "log.json"), "w") as f:
+        json.dump({"log": log, "totals": list(totals), "traces": traces}, f)
+
+
+# -- outside: run, parse, print ------------------------------------------------------------
+
+def dumps(folder):
+    """Each dump's instruction count, in order (callgrind numbers them .1, .2, ...)."""
+    names = [n for n in os.listdir(folder) if n.startswith("cg.out.")]
+    names.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
+    counts = []
+    for name in names:
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                if line.startswith("totals:"):
+                    counts.append(int(line.split()[1]))
+                    break
+    return counts
+
+
+def table(folder):
+    with open(os.path.join(folder, "log.json")) as f:
+        data = json.load(f)
+    counts = dumps(folder)
+    traces = data["traces"]
+    whole = {name: counts[i] / traces for i, name in enumerate(data["totals"])}
+    # The marked run: its first dump ends at the first mark; each later one at the next mark.
+    marked = counts[len(data["totals"]):]
+    log = data["log"]
+    segments = marked[1:len(log)]  # segment i lies between log[i] and log[i + 1]
+    main = log[0][2]  # the model side's greenlet (the first step starts there)
+    inclusive, calls, depth, order, inner = {}, {}, {}, [], {}
+    stacks = {}
+    for i, (name, kind, who) in enumerate(log):
+        stack = stacks.setdefault(who, [])
+        if kind == 1:
+            if name not in depth:
+                depth[name] = len(stacks[main]) + (len(stack) if who != main else 0)
+                order.append(name)
+                inclusive[name] = inner[name] = 0
+            stack.append(name)
+            calls[name] = calls.get(name, 0) + 1
+        else:
+            stack.remove(name)
+        if i >= len(segments):
+            continue
+        # A segment counts for the model side's open steps always (a body it switched to runs
+        # inside them), and for a body's open steps only when the body ran all of it (not
+        # while it was parked and the model ran).
+        for g, stack in stacks.items():
+            if g != main and not (who == g and log[i + 1][2] == g):
+                continue
+            for open_name in set(stack):
+                inclusive[open_name] += segments[i]
+                inner[open_name] += 1
+    # One mark's own cost: an empty wrapped call is its two marks and nothing else.
+    per_mark = inclusive["calibrate"] / calls["calibrate"]
+    rows = []
+    raw = whole["raw forward"]
+    rows.append(("raw forward", 1, raw, None))
+    for name in ("plain hooks", "prototype"):
+        rows.append((name, 1, whole[name], whole[name] - raw))
+    for name in order:
+        if name == "calibrate":
+            continue
+        own = (inclusive[name] - inner[name] * per_mark) / traces
+        over = own - raw if name == "trace, whole" else None
+        rows.append((("  " * depth[name]) + name, calls[name] / traces, own, over))
+    print(f"instructions per trace (callgrind), tiny GPT-2, save layer 0's output, {traces} warm traces;"
+          f" one mark costs {per_mark:,.0f} (subtracted)\n")
+    print("| step | calls per trace | instructions | over the raw forward |")
+    print("|---|---:|---:|---:|")
+    for label, n, value, over in rows:
+        extra = "" if over is None else f"{over:+,.0f}"
+        print(f"| {label} | {n:g} | {value:,.0f} | {extra} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", type=int, default=10)
+    parser.add_argument("--inside", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        inside(args.inside, args.traces)
+        return
+    folder = tempfile.mkdtemp(prefix="interlace-steps-")
+    try:
+        library, why = build_helper(folder)
+        if library is None:
+            print(f"steps.py needs callgrind: {why}")
+            return
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+                   f"--callgrind-out-file={os.path.join(folder, 'cg.out')}", sys.executable,
+                   os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            print(done.stderr[-3000:])
+            sys.exit(done.returncode)
+        table(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
