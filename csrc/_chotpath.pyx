@@ -404,6 +404,23 @@ cdef class Exchange:
             if self.paused is not None:
                 self.paused(mediator, event)
 
+    def wait_for(self, MediatorCore mediator not None, Py_ssize_t key, Py_ssize_t occ):
+        """Body side, from `mediator`'s greenlet: park it for occurrence `occ` of `key` and
+        give control back to the model side (its greenlet's parent) with PARKED, noting the
+        body's grad mode. Returns None once served (the event is then `mediator.event`);
+        anything else the model side hands over goes through `mediator.received(payload)`
+        (which raises the signal or error it is). One call for a request's whole wait."""
+        cdef Hub hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.wait_for() outside a run: call begin(hub, thread) first")
+        hub.park(key, occ, mediator)
+        mediator.event = None
+        mediator.body_grad = self.is_grad_enabled()
+        payload = mediator.worker.parent.switch(PARKED)
+        if payload is None:
+            return None
+        return mediator.received(payload)
+
     def resume(self, MediatorCore mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
 

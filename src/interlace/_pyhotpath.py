@@ -345,6 +345,28 @@ class Exchange:
             if self.paused is not None:
                 self.paused(mediator, event)
 
+    def wait_for(self, mediator, key, occ):
+        """Body side, from `mediator`'s greenlet: park it for occurrence `occ` of `key` and
+        give control back to the model side (its greenlet's parent) with PARKED, noting the
+        body's grad mode. Returns None once served (the event is then `mediator.event`);
+        anything else the model side hands over goes through `mediator.received(payload)`
+        (which raises the signal or error it is). One call for a request's whole wait."""
+        if mediator is None:
+            raise TypeError("Exchange.wait_for() needs a mediator, got None")
+        hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.wait_for() outside a run: call begin(hub, thread) first")
+        hub.park(key, occ, mediator)
+        mediator.event = None
+        mediator.body_grad = self.is_grad_enabled()
+        payload = mediator.worker.parent.switch(PARKED)
+        if payload is None:
+            return None
+        try:
+            return mediator.received(payload)
+        finally:
+            payload = None  # an error raised here has this frame in its traceback: no cycle
+
     def resume(self, mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
 

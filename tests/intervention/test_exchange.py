@@ -460,3 +460,39 @@ def test_the_engines_mediator_does_not_hide_the_fields_the_exchange_reads():
     mediator = Mediator(lambda: None, index=3)
     # the base's own descriptor sees what the subclass's __init__ wrote
     assert hotpath.MediatorCore.index.__get__(mediator, Mediator) == 3
+
+
+def test_wait_for_parks_switches_and_raises_what_the_model_side_throws(hp):
+    """`Exchange.wait_for`: a request's whole wait in one call (the engine's `request`): the
+    body is parked for (key, occ), the model side gets PARKED, the body's grad mode is kept
+    for its resumption, and a payload other than None goes through `mediator.received`."""
+    h = Harness(hp)
+    received = []
+
+    def receive(self, payload):  # as the engine's Mediator.received: raise what it is
+        received.append(payload)
+        raise payload
+
+    h.Body.received = receive
+    seen = []
+
+    def body(me):
+        with torch.no_grad():
+            assert h.ex.wait_for(me, 1, 0) is None
+            seen.append((me.event.key, me.event.occ, me.event.value, torch.is_grad_enabled()))
+        try:
+            h.ex.wait_for(me, 2, 0)
+        except KeyError as error:
+            seen.append(error.args)
+
+    with torch.enable_grad():
+        mediator = h.start(body)
+        assert h.hub.nparked == 1 and mediator.body_grad is False and mediator.event is None
+        h.ex.post_hook(1)(None, (), "value")
+        assert torch.is_grad_enabled()  # the model's grad mode again after the body ran
+        assert seen == [(1, 0, "value", False)]
+        assert h.hub.nparked == 1 and mediator.body_grad is True
+        assert h.ex.resume(mediator, None, KeyError("stop")) == hp.DONE
+    assert seen[1] == ("stop",) and [type(p) for p in received] == [KeyError]
+    with pytest.raises(RuntimeError, match="outside a run"):
+        hp.Exchange(torch.is_grad_enabled, torch._C._set_grad_enabled).wait_for(mediator, 1, 0)

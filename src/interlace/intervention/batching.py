@@ -82,6 +82,9 @@ class Batcher:
                         f"{dim}: batch_dim names the inputs' batch dimension (interlace.Model("
                         f"module, batch_dim=...)); pass inputs that have it"
                     )
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.dim() > dim:  # the common case: rows_of's answer
+            return Prepared(tuple(args), dict(kwargs), first.shape[dim])
         rows = rows_of(args, self.dim)
         if rows is None:
             rows = rows_of(kwargs, self.dim)
@@ -258,7 +261,7 @@ def _narrow_leaf(tensor, axis, rows):
     return part
 
 
-def narrow(value, rows, total, layout=None, dim=0, shared=None):
+def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=None):
     """The part of `value` that belongs to batch rows `rows` (views where possible).
 
     `layout` is the probe's signatures of this location's leaves (see `axis_of`; None: the
@@ -267,11 +270,19 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None):
     so that an in-place edit of the copy can be made that item's alone (`expand`). A leaf
     reduced over the batch raises `RunAlone(None, ...)`. A narrowed tensor remembers
     `(batch tensor, index)`: the backward pass reaches the batch tensor, not this view of
-    it, so `.grad` hooks go on the batch tensor (see `origin`).
+    it, so `.grad` hooks go on the batch tensor (see `origin`). `axes`: a dict the caller
+    keeps for one run whose layouts are fixed, caching a tensor's axis by `(key, shape)` (the
+    items of a batch narrow the same value: `axis_of` once per location, not per item).
     """
 
     if isinstance(value, torch.Tensor):  # the common case, without the walk
-        axis = axis_of(value, layout[0] if layout else None, total, dim)
+        if axes is None:
+            axis = axis_of(value, layout[0] if layout else None, total, dim)
+        else:
+            cached = (key, value.shape)
+            axis = axes.get(cached)
+            if axis is None:
+                axis = axes[cached] = axis_of(value, layout[0] if layout else None, total, dim)
         if axis == 0 or (type(axis) is int and axis > 0):
             return _narrow_leaf(value, axis, rows)
 

@@ -109,6 +109,7 @@ class Interleaver(hotpath.Exchange):
         self.learner = None  # axes.Learner: the model's first batched run is followed
         self.dim = 0
         self.copies = []
+        self.axes = {}  # (key, shape) -> a tensor's batch axis in this run (batching.narrow)
         self.expanded = False  # an item's edit gave a shared value a batch axis
         self.model_failed = False  # the model (not a body) raised
         self.together = False  # bodies shared variables or waited at a barrier
@@ -325,6 +326,9 @@ class Interleaver(hotpath.Exchange):
 
     def _message(self, mediator, message, event):
         """A body served `event` came back with anything but PARKED."""
+        if message is DONE:  # the common case (a sweep's every item ends so): nothing to decide
+            mediator._release()
+            return
         if type(message) is attach.WatchedCall:  # it calls an attachment (attach.py)
             message = attach.serve(self, mediator, message, event)
             if message == PARKED:
@@ -554,9 +558,7 @@ class Interleaver(hotpath.Exchange):
             raise OutOfOrderError(self._passed_message(key, occ, passed, event))
         if key not in self.handles:
             hooks.install(self, key)
-        hub.park(key, occ, mediator)
-        mediator.event = None
-        mediator.wait(PARKED)
+        self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
         return mediator.event
 
     def read(self, key):
@@ -574,8 +576,10 @@ class Interleaver(hotpath.Exchange):
         layouts = self.layouts
         shared = []
         try:
+            # the axes are cached per run, except while the first batched run learns them
             value = narrow(event.value, mediator.rows, self.total,
-                           layouts.get(key) if layouts else None, self.dim, shared)
+                           layouts.get(key) if layouts else None, self.dim, shared,
+                           self.axes if self.learner is None else None, key)
         except RunAlone as signal:
             raise self._alone(signal, key, mediator) from None
         if shared:

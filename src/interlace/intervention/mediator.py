@@ -200,8 +200,12 @@ class Mediator(hotpath.MediatorCore):
         """Body side: give control back to the model; returns what the model hands over."""
         body_grad = _is_grad_enabled()
         self.body_grad = body_grad
-        payload = self.worker.parent.switch(message)
         # Resumed by the model side, which swapped the mode to body_grad already.
+        return self.received(self.worker.parent.switch(message))
+
+    def received(self, payload):
+        """Body side: what the model side handed over on resuming the body, raised when it
+        is a signal or an error (`Exchange.wait_for` calls it for anything but None)."""
         if payload is Cancelled:
             raise Cancelled()
         if isinstance(payload, BaseException):

@@ -146,9 +146,15 @@ def compact(value):
         if value._base is not None and _pins_more(value):  # only a view can hold more
             return value.clone()
         return value
-    if type(value) is dict and len(value) < 4096:
-        out = {k: compact(v) for k, v in value.items()}
-        return out if any(out[k] is not value[k] for k in value) else value
+    if type(value) is dict and len(value) < 4096:  # (every item's saved names: one pass)
+        out = None
+        for k, v in value.items():
+            c = compact(v)
+            if c is not v:
+                if out is None:
+                    out = dict(value)
+                out[k] = c
+        return value if out is None else out
     if type(value) in (list, tuple) and len(value) < 4096:
         out = [compact(v) for v in value]
         if all(a is b for a, b in zip(out, value)):

@@ -151,6 +151,10 @@ def _value_key(value):
     return ("value", type(value), value)
 
 
+def _in_item_order(entry):
+    return entry.index
+
+
 def plan_batches(entries, size):
     """`entries` (in item order) as batches of at most `size` entries of one key each."""
     groups = {}
@@ -243,19 +247,27 @@ class Runner:
         On an error raised for item k, first runs the entries before k that are not done.
         """
         pending = list(entries)
-        while pending:  # planned batch by batch: a failure may lower the size for the rest
-            batch = plan_batches(pending, self.size)[0]
-            taken = set(map(id, batch))
-            pending = [e for e in pending if id(e) not in taken]
-            try:
-                self.run(batch, done)
-            except Exception as error:
-                failed = item_of(error)
-                rest = [e for e in entries if failed is not None and e.index < failed
-                        and not done.has(e.index)]
-                if rest:
-                    self.run_window(rest, done)
-                raise
+        while pending:
+            # Planned once per size: a failure that lowers the size plans the rest again (the
+            # batches of one plan are those that planning what is left would give first).
+            size = self.size
+            batches = plan_batches(pending, size)
+            for i, batch in enumerate(batches):
+                try:
+                    self.run(batch, done)
+                except Exception as error:
+                    failed = item_of(error)
+                    rest = [e for e in entries if failed is not None and e.index < failed
+                            and not done.has(e.index)]
+                    if rest:
+                        self.run_window(rest, done)
+                    raise
+                if self.size != size:
+                    pending = [e for later in batches[i + 1:] for e in later]
+                    pending.sort(key=_in_item_order)
+                    break
+            else:
+                pending = []
 
     def run(self, entries, done):
         """Run one batch (one key) with the retry and attribution policy."""
@@ -317,9 +329,14 @@ class InOrder:
         self.waiting = {}
 
     def __call__(self, entry, values):
-        if entry.index < self.next or entry.index in self.waiting:
+        index = entry.index
+        if index < self.next or index in self.waiting:
             return  # finished already (a retried batch): recorded once
-        self.waiting[entry.index] = (entry, values)
+        if index == self.next and not self.waiting:  # the common case: the next one, in order
+            self.commit(entry, values)
+            self.next = index + 1
+            return
+        self.waiting[index] = (entry, values)
         self._advance()
 
     def skip(self, index):

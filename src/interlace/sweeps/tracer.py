@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from greenlet import getcurrent
+
 from ..errors import InterlaceError
 from ..intervention.cache import make_cache
 from ..intervention.access import engine_of
@@ -149,8 +151,12 @@ class SweepTracer(IterMixin, Tracer):
     def _body(self, what):
         """The running item's body: read in the sweep body, or in the body of a trace of
         another model nested in it (which runs inside the item's body)."""
-        interleaver = engine_of(self.model).active()
-        mediator = None if interleaver is None else interleaver.enclosing()
+        engine = engine_of(self.model)
+        interleaver = engine.running
+        mediator = None if interleaver is None else interleaver.current
+        if mediator is None or mediator.worker is not getcurrent():  # not the item's own code
+            interleaver = engine.active()
+            mediator = None if interleaver is None else interleaver.enclosing()
         if mediator is None:
             raise InterlaceError(
                 f"{what} is only available inside the body of `with model.sweep(...) as "
