@@ -393,7 +393,7 @@ class Store:
 
     def skips(self, job, entry):
         """Is `entry` finished on disk (skip it)? Refuses an item that differs from the one there."""
-        done = self.finished.get(entry.index)
+        done = self.finished.get(entry.index) if self.finished.indexes.size else None
         if done is None:
             return False
         if self.per_item is None:
