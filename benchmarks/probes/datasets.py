@@ -168,7 +168,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     o = p.parse_args(argv)
     torch.set_num_threads(o.threads)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+    here = os.path.dirname(os.path.abspath(__file__))  # run as a script: this file is not `datasets`
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    sys.path.insert(0, os.path.join(here, "..", "..", "src"))
     import interlace
 
     root = tempfile.mkdtemp(prefix="bench-datasets-")

@@ -251,3 +251,63 @@ def _sweep_last(model, ids):
         with torch.no_grad(), model.trace(ids[i:i + 1]):
             out.append(model.transformer.h[1].output[:, -1].save())
     return out
+
+
+def test_a_batch_of_items_hashes_as_each_item_alone():
+    """The manifest's hashes are taken a batch at once (`item_digests`); resuming compares
+    them with each item's `item_digest` as it is drawn again: they must be the same strings,
+    and the same as before hashing went by batch (folders written then still resume)."""
+    from interlace.sweeps.runner import Entry
+    from interlace.sweeps.store import item_digest, item_digests
+
+    ids = torch.arange(16).reshape(2, 8)
+    pinned = Entry(1, ids[1], (ids[1][None],), {}, None)
+    assert item_digests([pinned], True) == ["4ea34e1a5b5530e7d6a697248bf8d7cf"]
+    assert item_digests([pinned], False) == ["4c4df35c1e8f6123bd6776d19f752bd7"]
+
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    batches = {
+        "token rows": [Entry(i, t, (t[None],), {}, None) for i, t in enumerate(ids)],
+        "two inputs": [Entry(i, x[i], (x[i], x[i].T), {}, None) for i in range(4)],
+        "no inputs": [Entry(i, x[i], (), {}, None) for i in range(4)],
+        "bfloat16, 0-dim": [Entry(i, x[i, 0, 0].to(torch.bfloat16), (x[i, 0],), {}, None)
+                            for i in range(4)],
+        "keywords": [Entry(i, x[i], (), {"mask": x[i]}, None) for i in range(4)],
+        "shapes differ": [Entry(i, x[i, :i + 1], (x[i, :i + 1],), {}, None) for i in range(4)],
+        "other items": [Entry(i, {"i": i, "t": x[i]}, (x[i],), {}, None) for i in range(4)],
+        "dtypes differ": [Entry(i, x[i].double() if i else x[i], (), {}, None) for i in range(2)],
+    }
+    for name, entries in batches.items():
+        for per_item in (True, False):
+            alone = [item_digest(None, e, per_item) for e in entries]
+            assert item_digests(entries, per_item) == alone, (name, per_item)
+            assert len(set(alone)) == len(alone), name  # items that differ hash apart
+
+
+def test_batches_of_mixed_values_are_stored_as_in_memory(model, tmp_path, corrupt):
+    """Columns are converted a batch at once where the rows agree and row by row where they do
+    not (shapes, None slots after the column's type is known, ints in a float column, an item
+    field save_to= cannot store): both ways give what the in-memory sweep holds."""
+    items = [{"i": i, "tag": [i]} for i in range(10)]
+
+    def run(**store):
+        with torch.no_grad(), model.sweep(items, input=corrupt, batch_size=4, progress=False,
+                                          **store) as sweep:
+            i = sweep.item["i"]
+            if i % 3 != 1:
+                last = model.transformer.h[0].output[0, -1].save()
+            row = model.transformer.h[1].output[0, : 2 + (i >= 6) + (i == 9)].save()
+            score = (i * 10 if i % 2 else i + 0.5).save()
+            flag = (i > 4).save()
+        return sweep.results
+
+    mem, disk = run(), run(save_to=tmp_path / "m")
+    for name in ("row", "last", "score", "flag"):
+        a, b = list(mem[name]), list(disk[name])
+        assert len(a) == len(b) == 10, name
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or (torch.equal(x, y) if isinstance(x, torch.Tensor)
+                                                 else x == y), (name, x, y)
+    assert [type(f) for f in disk["flag"]] == [bool] * 10  # an int in a float column: a float
+    table = datasets.load_from_disk(str(tmp_path / "m"))
+    assert list(table["tag"]) == [repr([i]) for i in range(10)]

@@ -112,6 +112,8 @@ def _column_name(name, fields, saved):
 
 def item_fields(item, names=None):
     """An item's fields as columns: name -> value (see `to_pandas`)."""
+    if type(item) in _PLAIN:  # the usual one-field items first (with save_to=, once per item)
+        return {str(names[0]) if names else "item": _cell(item)}
     if isinstance(item, Mapping):
         return {str(k): _cell(v) for k, v in item.items()}
     if hasattr(item, "_fields"):
@@ -128,6 +130,9 @@ def item_fields(item, names=None):
             return {str(n): _cell(v) for n, v in zip(names, item)}
         return {f"item_{i}": _cell(v) for i, v in enumerate(item)}
     return {str(names[0]) if names else "item": _cell(item)}
+
+
+_PLAIN = (torch.Tensor, int, float, str, bool)
 
 
 def _cell(value):

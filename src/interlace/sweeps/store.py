@@ -29,6 +29,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import operator
 import os
 import types
 import uuid
@@ -91,12 +92,23 @@ def _feed(h, value, depth):
     if depth > 8:
         h.update(b"deep")
         return
-    if value is None or type(value) in _SCALARS:
-        h.update(f"{type(value).__name__}:{value!r};".encode())
+    kind = type(value)  # exact types first: an item's hash is taken per item, in the hot path
+    if kind is torch.Tensor:
+        _feed_tensor(h, value)
+    elif kind is tuple or kind is list or kind is dict:
+        h.update(_seq_tag(kind, len(value)))
+        if kind is dict:
+            for k, v in value.items():
+                _feed(h, k, depth + 1)
+                _feed(h, v, depth + 1)
+        else:
+            for v in value:
+                _feed(h, v, depth + 1)
+        h.update(b"}" if kind is dict else b"]")
+    elif value is None or kind in _SCALARS:
+        h.update(f"{kind.__name__}:{value!r};".encode())
     elif isinstance(value, torch.Tensor):
-        h.update(f"tensor:{value.dtype}:{tuple(value.shape)};".encode())
-        if value.layout == torch.strided and not value.is_meta:
-            h.update(_raw(value.detach()))
+        _feed_tensor(h, value)
     elif isinstance(value, (bool, int, float, complex, str, bytes)):  # subclasses (enums...)
         h.update(f"{type(value).__name__}:{value!r};".encode())
     elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
@@ -126,6 +138,41 @@ def _feed(h, value, depth):
         h.update(f"object:{type(value).__module__}.{type(value).__qualname__};".encode())
 
 
+def _feed_tensor(h, value):
+    h.update(_tensor_tag(value))
+    if value.layout == torch.strided and not value.is_meta:
+        h.update(_raw(value.detach() if value.requires_grad else value))
+
+
+def _tensor_tag(value):
+    tag = _TAGS.get((value.dtype, value.shape))
+    if tag is None:
+        tag = _tag((value.dtype, value.shape), f"tensor:{value.dtype}:{tuple(value.shape)};")
+    return tag
+
+
+def _seq_tag(kind, length):
+    """What opens a list's, tuple's or dict's hash."""
+    tag = _TAGS.get((kind, length))
+    if tag is None:
+        tag = _tag((kind, length), f"{kind.__name__}:{length}{'{' if kind is dict else '['}")
+    return tag
+
+
+_TAGS = {}  # (type, length) or (dtype, shape) -> the bytes that open its hash
+
+
+def _tag(key, text):
+    if len(_TAGS) > 4096:  # per-item shapes that all differ: bounded
+        _TAGS.clear()
+    tag = _TAGS[key] = text.encode()
+    return tag
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
 _SCALARS = frozenset((bool, int, float, complex, str, bytes))
 
 
@@ -138,7 +185,7 @@ def _feed_code(h, code, depth):
 
 def _raw(tensor):
     """A tensor's elements as a contiguous numpy array (bfloat16 as its raw uint16 bits)."""
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         tensor = tensor.cpu()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
@@ -200,6 +247,67 @@ def item_digest(job, entry, per_item=None):
     if per_item:
         return digest((entry.item, entry.args, entry.kwargs))
     return digest(entry.item)
+
+
+def item_digests(entries, per_item):
+    """`item_digest` of each entry, the same hex strings, for a batch at once where it can:
+    when every item is a tensor of one dtype and shape (and, with `per_item`, its inputs are a
+    tuple of such tensors and no keywords), each position's tensors are stacked and turned to
+    bytes once, and an item's hash is its bytes between the tags `digest` writes."""
+    parts = _stacked_parts(entries, per_item)
+    if parts is None:
+        return [digest((e.item, e.args, e.kwargs)) if per_item else digest(e.item)
+                for e in entries]
+    blake2b = hashlib.blake2b
+    hashes = []
+    for i in range(len(entries)):
+        h = blake2b(digest_size=16)
+        for tag, rows, size in parts:
+            h.update(tag)
+            if rows is not None:
+                h.update(rows[i * size:(i + 1) * size])
+        hashes.append(h.hexdigest())
+    return hashes
+
+
+def _stacked_parts(entries, per_item):
+    """[(tag bytes, the tensors' bytes of every entry or None, bytes per entry)] in the order
+    `digest` feeds them, or None when the entries are not all alike (see `item_digests`)."""
+    if not entries:
+        return None
+    columns = [[e.item for e in entries]]
+    if per_item:
+        args = [e.args for e in entries]
+        if set(map(type, args)) != {tuple} or len(set(map(len, args))) != 1:
+            return None
+        if set(map(type, [e.kwargs for e in entries])) != {dict} or any(
+                map(len, [e.kwargs for e in entries])):
+            return None
+        columns += [[a[j] for a in args] for j in range(len(args[0]))]
+    stacked = []
+    for values in columns:
+        first = values[0]
+        if (set(map(type, values)) != {torch.Tensor} or len(set(map(_SHAPE, values))) != 1
+                or len(set(map(_DTYPE, values))) != 1 or first.layout != torch.strided
+                or first.is_meta):
+            return None
+        try:
+            with torch.no_grad():
+                data = _raw(torch.stack(values)).reshape(-1)
+        except RuntimeError:  # on several devices
+            return None
+        stacked.append((_tensor_tag(first), memoryview(data.view("uint8")),
+                        data.nbytes // len(values)))
+    if not per_item:
+        return stacked
+    args = len(stacked) - 1  # digest((item, args, kwargs)): the tags around the tensors
+    chunks = [(_seq_tag(tuple, 3) + stacked[0][0],) + stacked[0][1:]]
+    opening = _seq_tag(tuple, args)
+    for tag, rows, size in stacked[1:]:
+        chunks.append((opening + tag, rows, size))
+        opening = b""
+    chunks.append((opening + b"]" + _seq_tag(dict, 0) + b"}]", None, 0))
+    return chunks
 
 
 def _differences(path, old, new):
@@ -285,7 +393,7 @@ class Store:
 
     def skips(self, job, entry):
         """Is `entry` finished on disk (skip it)? Refuses an item that differs from the one there."""
-        done = self.finished.get(entry.index)
+        done = self.finished.get(entry.index) if self.finished.indexes.size else None
         if done is None:
             return False
         if self.per_item is None:
@@ -419,8 +527,7 @@ class Sink:
         self.per_item = job.input is not None and is_callable_input(job.input)
 
     def add(self, entry, values):
-        self.rows.append((entry.index, entry.item, item_digest(self.job, entry, self.per_item),
-                          values))
+        self.rows.append((entry.index, entry.item, entry, values))  # hashed a batch at once
         if len(self.rows) >= self.flush_rows:
             return self.flush()
         return 0
@@ -433,6 +540,7 @@ class Sink:
 
         rows, self.rows = self.rows, []
         table = self.encode(rows)
+        hashes = item_digests([r[2] for r in rows], self.per_item)
         shard = f"data-{self.name}-{self.count:06d}.arrow"
         self.count += 1
         final = os.path.join(self.path, shard)
@@ -445,7 +553,7 @@ class Sink:
         os.replace(tmp, final)
         nbytes = os.path.getsize(final)
         kinds = {c: self.columns[c] for c in table.column_names if c in self.columns}
-        line = json.dumps({"shard": shard, "items": [[r[0], r[2]] for r in rows],
+        line = json.dumps({"shard": shard, "items": [[r[0], h] for r, h in zip(rows, hashes)],
                            "bytes": nbytes, "columns": kinds,
                            "fields": self.header["fields"]}) + "\n"
         # not synced: a line lost to a power cut only makes its items run again (the shard it
@@ -455,58 +563,73 @@ class Sink:
         return nbytes
 
     def encode(self, rows):
-        """The rows as an Arrow table: index, the item's fields, the saved names."""
+        """The rows as an Arrow table: index, the item's fields, the saved names.
+
+        Checked and converted a column at a time (types by `set(map(...))`, tensors stacked):
+        Python per row only where the rows differ (shapes, None slots, several item types).
+        """
         import pyarrow as pa
 
         if self.header["fields"] is None:
             self.header["fields"] = list(item_fields(rows[0][1]))
         fields = self.header["fields"]
-        per_row = [item_fields(item) for _, item, _, _ in rows]
-        for (index, item, _, _), row in zip(rows, per_row):
-            extra = set(row) - set(fields)
-            if extra:
-                raise InterlaceError(
-                    f"sweep item {index} ({item!r:.80}) has fields {sorted(extra)} that the "
-                    f"first item did not have ({fields}); save_to= stores one column per field: "
-                    f"give every item the same fields"
-                )
-        names, arrays = [INDEX], [pa.array([r[0] for r in rows], pa.int64())]
         if INDEX in fields:
             raise InterlaceError(
                 f"the items have a field named {INDEX!r}, which save_to= uses for each item's "
                 f"position; rename the field"
             )
-        for field in fields:
+        names, arrays = [INDEX], [pa.array([r[0] for r in rows], pa.int64())]
+        for field, values in zip(fields, self.field_values(rows, fields)):
             names.append(field)
-            arrays.append(self.column(field, [row.get(field) for row in per_row], rows,
-                                      "item field"))
+            arrays.append(self.column(field, values, rows, "item field"))
+        saved = set(self.saved)
         for name in self.saved:
             column = name + "_saved" if name in fields or name == INDEX else name
             names.append(column)
             arrays.append(self.column(column, [r[3].get(name) for r in rows], rows,
                                       "saved value", name))
-        for index, _, _, values in rows:
-            unknown = set(values) - set(self.saved)
-            if unknown:
-                raise InterlaceError(
-                    f"sweep item {index} saved {sorted(unknown)}, which save_to= cannot find "
-                    f"in the body's source; assign each saved value to a name "
-                    f"(`x = ... .save()`)"
-                )
+        if not saved.issuperset(set().union(*[r[3] for r in rows])):
+            index, values = next((r[0], r[3]) for r in rows if not saved.issuperset(r[3]))
+            raise InterlaceError(
+                f"sweep item {index} saved {sorted(set(values) - saved)}, which save_to= "
+                f"cannot find in the body's source; assign each saved value to a name "
+                f"(`x = ... .save()`)"
+            )
         return pa.Table.from_arrays(arrays, names=names)
 
+    @staticmethod
+    def field_values(rows, fields):
+        """Each field's values, one per row (None where an item lacks the field)."""
+        items = [r[1] for r in rows]
+        if fields == ["item"] and set(map(type, items)).issubset(_ONE_FIELD):
+            return [[item_fields(item)["item"] for item in items]]
+        known = set(fields)
+        per_row = [item_fields(item) for item in items]
+        for (index, item, _, _), row in zip(rows, per_row):
+            if not known.issuperset(row):
+                raise InterlaceError(
+                    f"sweep item {index} ({item!r:.80}) has fields {sorted(set(row) - known)} "
+                    f"that the first item did not have ({fields}); save_to= stores one column "
+                    f"per field: give every item the same fields"
+                )
+        return [[row.get(field) for row in per_row] for field in fields]
+
     def column(self, column, values, rows, what, name=None):
+        """`values` (a new list, one per row) as an Arrow array. The column's type is the first
+        value's (`kind_of`); the others are checked against it at once where they all have its
+        exact type (the usual case), else one by one."""
         kind = self.columns.get(column)
-        if what == "item field":  # the user's items: what cannot be stored is kept as text
-            values = [v if v is None or kind_of(v) is not None else repr(v) for v in values]
-        fast = (_DTYPES[kind["dtype"]], kind["ndim"]) if kind and kind["kind"] == "tensor" else None
-        for value, row in zip(values, rows):
-            if value is None or (fast is not None and type(value) is torch.Tensor
-                                 and value.dtype is fast[0] and value.dim() == fast[1]):
+        if kind is not None and _all_of(values, kind):
+            return encode(values, kind)
+        for position, value in enumerate(values):
+            if value is None:
                 continue
             found = kind_of(value)
+            if found is None and what == "item field":  # what cannot be stored is kept as text
+                value = values[position] = repr(value)
+                found = kind_of(value)
             if found is None or kind is not None and not _compatible(kind, found):
-                index, item = row[0], row[1]
+                index, item = rows[position][0], rows[position][1]
                 raise InterlaceError(
                     f"sweep item {index} ({item!r:.60}) {what} {name or column!r} is "
                     f"{describe(value)}, which save_to= cannot store"
@@ -518,6 +641,24 @@ class Sink:
             if kind is None:
                 kind = self.columns[column] = found
         return encode(values, kind)
+
+
+_ONE_FIELD = frozenset((torch.Tensor, int, float, str, bool))  # items that are their one field
+_PYTHON = {"bool": bool, "int": int, "float": float, "str": str}
+def _all_of(values, kind):
+    """Is every value None or exactly of column type `kind`? (No Python code per value.)"""
+    found = set(map(type, values))
+    gaps = type(None) in found
+    found.discard(type(None))
+    if kind["kind"] != "tensor":
+        return found.issubset((_PYTHON[kind["kind"]],))
+    if not found:
+        return True
+    if found != {torch.Tensor}:
+        return False
+    present = [v for v in values if v is not None] if gaps else values
+    return (set(map(_DTYPE, present)) == {_DTYPES[kind["dtype"]]}
+            and set(map(torch.Tensor.dim, present)) == {kind["ndim"]})
 
 
 def kind_of(value):
@@ -580,19 +721,30 @@ def encode(values, kind):
         if kind["kind"] == "float":
             values = [None if v is None else float(v) for v in values]
         return pa.array(values, arrow_type(kind))
-    mask = np.array([v is None for v in values])
+    present = [v for v in values if v is not None]
+    mask = np.array([v is None for v in values]) if len(present) < len(values) else None
     ndim = kind["ndim"]
     storage = np.dtype(_NUMPY[_DTYPES[kind["dtype"]]])
-    parts = [v.detach().reshape(-1) for v in values if v is not None]
-    flat = _raw(torch.cat(parts).cpu()) if parts else np.empty(0, storage)
+    flat = shapes = None
+    with torch.no_grad():
+        if mask is None and values:
+            try:  # one shape (the usual case): the batch's values stacked at once
+                flat = _raw(torch.stack(values)).reshape(-1)
+                first = values[0].shape
+            except RuntimeError:  # the shapes differ
+                pass
+        if flat is None:
+            flat = _raw(torch.cat([v.reshape(-1) for v in present])) if present else np.empty(0, storage)
+            shapes = [None if v is None else tuple(v.shape) for v in values]
+    if mask is None:
+        mask = np.zeros(len(values), bool)
     if ndim == 0:
         full = np.zeros(len(values), storage)
         full[~mask] = flat
         return pa.array(full, mask=mask if mask.any() else None)
     array = pa.array(flat)
-    shapes = [None if v is None else tuple(v.shape) for v in values]
-    if not mask.any() and len(set(shapes)) == 1:  # one shape (the usual case): regular offsets
-        shape = (len(values),) + shapes[0]
+    if shapes is None:
+        shape = (len(values),) + tuple(first)
         for level in reversed(range(1, ndim + 1)):
             count = int(np.prod(shape[:level]))
             if count * shape[level] >= 2 ** 31:
@@ -602,6 +754,7 @@ def encode(values, kind):
         else:
             return array
         array = pa.array(flat)
+        shapes = [tuple(first)] * len(values)
     for level in reversed(range(ndim)):
         counts = []
         for shape in shapes:
