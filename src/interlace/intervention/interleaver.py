@@ -326,21 +326,20 @@ class Interleaver(hotpath.Exchange):
 
     def _message(self, mediator, message, event):
         """A body served `event` came back with anything but PARKED."""
-        if message is DONE:  # the common case (a sweep's every item ends so): nothing to decide
-            mediator._release()
-            return
         if type(message) is attach.WatchedCall:  # it calls an attachment (attach.py)
             message = attach.serve(self, mediator, message, event)
             if message == PARKED:
                 return
-        if message == DONE or message == FAILED:
+        if message == DONE:  # the common case (every sweep item ends so)
             mediator._release()
-        if message != DONE:
-            self.serving = event  # a body failed or stopped here: its edits are kept
-            self._handle(mediator, message)
-            if message == FAILED:
-                raise _Abort()
-            raise _Stop()
+            return
+        if message == FAILED:
+            mediator._release()
+        self.serving = event  # a body failed or stopped here: its edits are kept
+        self._handle(mediator, message)
+        if message == FAILED:
+            raise _Abort()
+        raise _Stop()
 
     def _paused(self, mediator, event):
         if self.copies:
