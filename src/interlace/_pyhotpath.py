@@ -295,6 +295,11 @@ class Exchange:
         """The callable(module, args, output) for a forward hook at `key`."""
         return partial(self.on_hook, key, False)
 
+    def hook_event(self, key, pre, args, third):
+        """What the hook at `key` does, called directly (a root call's events, fired by hand):
+        `pre_hook(key)(module, args, third)` without making the hook."""
+        return self.on_hook(key, pre, None, args, third)
+
     def on_hook(self, key, pre, module, args, third):
         """One hook call; `third` is the pre-hook's kwargs or the forward hook's output."""
         hub = self.hub
@@ -414,6 +419,128 @@ class Hook:
 
     def __call__(self, module, args, third):
         return self.exchange.on_hook(self.key, self.pre, module, args, third)
+
+
+UNSET = object()
+"""`Taps.tapped`'s "the module had no instance `forward`" (removing its Tap deletes the slot)."""
+
+_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class Taps:
+    """The Taps one run sets on its model's modules: the common case of `hooks.install`
+    (and of `hooks.remove`) in one call.
+
+    Python decides which modules may have a Tap (`know`: a class whose calls run the
+    instance's `forward`); this only repeats the per-trace checks (no torch hooks of the
+    module's own or global ones, its instance `forward` as it was when the model was
+    wrapped) and sets the Taps. `install` returns False, having changed nothing, whenever
+    a module on the way needs Python's policy. `handles`, `taps` and `tapped` are the run's
+    containers (key -> None for a key a Tap fires; index -> Tap; index -> (instance dict,
+    instance forward before, or UNSET)). It holds no run: the run is an argument.
+    """
+
+    __slots__ = ("handles", "taps", "tapped", "modules", "dicts", "forwards", "classes",
+                 "ancestors", "global_hooks", "result_key", "enabled")
+
+    def __init__(self, state, global_hooks, enabled):
+        if type(global_hooks) is not tuple:
+            raise TypeError("Taps() needs the global hook dicts as a tuple")
+        self.handles = {}
+        self.taps = {}
+        self.tapped = {}
+        self.modules = list(state.modules)
+        self.dicts = [module.__dict__ for module in self.modules]
+        self.forwards = list(state.forwards)
+        self.classes = [None] * len(self.modules)
+        self.ancestors = tuple(state.ancestors)
+        self.global_hooks = global_hooks
+        self.result_key = state.result_key
+        self.enabled = bool(enabled)
+
+    def know(self, index, cls):
+        """Module `index` of class `cls` can have a Tap (Python checked the class once)."""
+        self.classes[index] = cls
+
+    def _plain(self, index):
+        # Can module `index` get (or already has) a Tap with no policy to apply?
+        if index in self.taps:
+            return True
+        if type(self.modules[index]) is not self.classes[index]:
+            return False
+        instance = self.dicts[index]
+        if instance.get("forward") is not self.forwards[index]:
+            return False
+        for name in _OWN_HOOKS:
+            if instance.get(name):
+                return False
+        return True
+
+    def install(self, run, key, root_call):
+        """Hook location `key` for `run` as `hooks.install` would, when every module on the way
+        is plain (see the class); True when done or nothing was needed, False when Python must."""
+        if run is None:
+            raise TypeError("Taps.install() needs an Exchange, not None")
+        handles = self.handles
+        if key in handles or key >= self.result_key or (key < 2 and root_call):
+            return True
+        if not self.enabled:
+            return False
+        for hooks in self.global_hooks:
+            if hooks:
+                return False
+        index = key >> 1
+        chain = self.ancestors[index]
+        for ancestor in chain:
+            if 2 * ancestor not in handles and not (ancestor == 0 and root_call):
+                if not self._plain(ancestor):
+                    return False
+        if not self._plain(index):
+            return False
+        for ancestor in chain:
+            if 2 * ancestor not in handles and not (ancestor == 0 and root_call):
+                self._tap(run, 2 * ancestor, ancestor)
+        self._tap(run, key, index)
+        return True
+
+    def _tap(self, run, key, index):
+        run.hub.observe(key)
+        tap = self.taps.get(index)
+        if tap is None:
+            instance = self.dicts[index]
+            current = instance.get("forward")
+            tap = Tap(run, getattr(self.modules[index], "forward") if current is None else current)
+            self.taps[index] = tap
+            self.tapped[index] = (instance, UNSET if current is None else current)
+            instance["forward"] = tap
+        if key & 1:
+            tap.post = key
+        else:
+            tap.pre = key
+        self.handles[key] = None
+
+    def remove(self):
+        """Take every Tap off (one the user replaced since stays replaced) and forget the
+        handles; returns the hook tokens among them (not None) for Python to detach, or None."""
+        tokens = None
+        for token in self.handles.values():
+            if token is not None:
+                if tokens is None:
+                    tokens = []
+                tokens.append(token)
+        self.handles.clear()
+        if self.taps:
+            for index, (instance, previous) in self.tapped.items():
+                tap = self.taps[index]
+                tap.pre = tap.post = -1  # a reference kept somewhere fires nothing more
+                if instance.get("forward") is tap:
+                    if previous is UNSET:
+                        del instance["forward"]
+                    else:
+                        instance["forward"] = previous
+            self.taps.clear()
+            self.tapped.clear()
+        return tokens
 
 
 class Tap:

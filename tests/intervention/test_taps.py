@@ -209,3 +209,51 @@ def test_forward_property_keeps_torch_hooks(x6):
         assert hooked_now == 1
         assert torch.equal(h, net[0].inner(x6))
     assert_clean(net)
+
+
+@pytest.mark.parametrize("change", ["own hook", "global hook", "forward replaced"])
+def test_a_warm_trace_checks_every_module_again(x6, change):
+    """The compiled tapper (`hotpath.Taps`) taps a module it tapped before without asking
+    Python again; a hook or a new forward added between traces must still be seen."""
+    net = _mlp()
+    model = interlace.Model(net)
+    for _ in range(3):  # learn the order, then warm traces through the compiled tapper
+        with torch.no_grad(), model.trace(x6):
+            save(model[0].output)
+    plain = torch.nn.functional.linear(x6, net[0].weight, net[0].bias)
+    if change == "own hook":
+        handle = net[0].register_forward_hook(lambda m, a, o: o + 1)
+        undo, expected = handle.remove, plain + 1
+    elif change == "global hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: o * 3 if m is net[0] else None)
+        undo, expected = handle.remove, plain * 3
+    else:
+        original = net[0].forward
+        net[0].forward = lambda x: original(x) - 2
+
+        def undo():
+            del net[0].forward
+
+        expected = plain - 2
+    try:
+        with pytest.warns(interlace.ForwardReplacedWarning) if change == "forward replaced" \
+                else _nothing(), torch.no_grad(), model.trace(x6):
+            h = save(model[0].output)
+            tapped = save(type(net[0].__dict__.get("forward")))
+        assert torch.equal(h, expected)
+        assert tapped is not hotpath.Tap or change == "forward replaced"
+    finally:
+        undo()
+    assert_clean(net)
+    with torch.no_grad(), model.trace(x6):  # and once it is gone, the Tap again
+        h = save(model[0].output)
+        tapped = save(type(net[0].__dict__.get("forward")))
+    assert tapped is hotpath.Tap and torch.equal(h, plain)
+    assert_clean(net)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -57,9 +57,10 @@ def followed_by_with(frame) -> bool:
     return answer
 
 
-# Block -> does its body use `with ....backward():`; weak, so the answer goes with the Block
-# (a Block holds the caller's globals through its compiled body functions).
-_uses_backward = weakref.WeakKeyDictionary()
+# id(Block) -> (weak reference to it, does its body use `with ....backward():`): a plain dict
+# read per trace (a WeakKeyDictionary's is a Python call); the entry goes with the Block (a
+# Block holds the caller's globals through its compiled body functions).
+_uses_backward = {}
 
 
 def block_uses_backward(block) -> bool:
@@ -72,9 +73,9 @@ def block_uses_backward(block) -> bool:
     """
     if block is None:
         return False
-    found = _uses_backward.get(block)
-    if found is not None:
-        return found
+    entry = _uses_backward.get(id(block))
+    if entry is not None and entry[0]() is block:
+        return entry[1]
     import ast
 
     found = False
@@ -86,7 +87,13 @@ def block_uses_backward(block) -> bool:
                     if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                             and call.func.attr == "backward"):
                         found = True
-    _uses_backward[block] = found
+    key = id(block)
+
+    def forget(ref):
+        if _uses_backward.get(key, (None,))[0] is ref:
+            del _uses_backward[key]
+
+    _uses_backward[key] = (weakref.ref(block, forget), found)
     return found
 
 

@@ -30,12 +30,12 @@ from .._native import hotpath
 from ..errors import ForwardReplacedWarning
 from .batching import swap
 
-_MISSING = object()
+_MISSING = hotpath.UNSET  # a `tapped` entry's "no instance forward before" (shared with Taps)
 
 # Hooks go straight into the module's hook dicts, exactly as `register_forward_(pre_)hook`
 # puts them there, minus the `RemovableHandle` and its weakrefs (a third of a trace's hook
 # cost). Ids come from torch's own counter so they never collide with anybody's handle.
-_DIRECT_HOOKS = all(
+DIRECT_HOOKS = all(
     hasattr(torch.nn.Module(), name)
     for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks")
 )
@@ -43,7 +43,7 @@ _DIRECT_HOOKS = all(
 
 def attach(module, hook, pre):
     """Install `hook` on `module` (a with-kwargs pre-hook, or a forward hook); returns a token."""
-    if not _DIRECT_HOOKS:
+    if not DIRECT_HOOKS:
         if pre:
             return module.register_forward_pre_hook(hook, with_kwargs=True)
         return module.register_forward_hook(hook)
@@ -69,6 +69,8 @@ def detach(token):
 
 def install(run, key):
     """Hook location `key` for `run` (once): a pre-hook for an input, a forward hook for an output."""
+    if run.tapper.install(run, key, run.root_call):
+        return  # the common case, compiled: every module on the way plain (hotpath.Taps)
     handles = run.handles
     state = run.state
     if key in handles or key >= state.result_key or (key < 2 and run.root_call):
@@ -106,6 +108,8 @@ def _hook(run, key, index):
             else:
                 run.handles[key] = attach(module, run.pre_hook(key), True)
             return
+        if current is state.forwards[index]:
+            run.tapper.know(index, type(module))  # next time `Taps.install` taps it alone
         # the Tap wraps whatever forward the module has now (an accelerate or user wrapper)
         tap = hotpath.Tap(run, module.forward if current is None else current)
         run.taps[index] = tap
@@ -167,7 +171,7 @@ _PACKAGE_DIR = __file__.rsplit("intervention", 1)[0]
 
 # torch's global module hooks (registered by `register_module_forward_hook` and the like):
 # the dicts themselves, which torch mutates in place, read without a module lookup per trace.
-_GLOBAL_HOOKS = tuple(
+GLOBAL_HOOKS = tuple(
     getattr(_torch_module, name, {})  # (a torch without one: an empty dict stands in)
     for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
                  "_global_backward_hooks", "_global_backward_pre_hooks")
@@ -181,9 +185,9 @@ def _tappable(module_dict, cls):
     nor when its class would not find an instance `forward` (`_forward_by_instance`).
     Reads the module's instance dict (`module_dict`) directly: an attribute read of an
     `nn.Module` goes through its `__getattr__` hook, several times the cost."""
-    if not _DIRECT_HOOKS:
+    if not DIRECT_HOOKS:
         return False
-    forward, forward_pre, backward, backward_pre = _GLOBAL_HOOKS
+    forward, forward_pre, backward, backward_pre = GLOBAL_HOOKS
     if forward or forward_pre or backward or backward_pre:
         return False
     for name in _OWN_HOOKS:
@@ -283,24 +287,14 @@ def override_forward(run, index):
     set_forward(module, forward)
 
 
-def remove(run):
-    """Remove every tap, hook and forward override `run` installed."""
-    for token in run.handles.values():
-        if token is not None:
+def remove(run, tokens=None):
+    """Remove every tap, hook and forward override `run` installed (`tokens`: the hook tokens
+    `run.tapper.remove()` returned, when the caller took the taps off already)."""
+    if tokens is None:
+        tokens = run.tapper.remove()  # the taps, and the handles' hook tokens to detach here
+    if tokens:
+        for token in tokens:
             detach(token)
-    run.handles.clear()
-    if run.taps:
-        taps = run.taps
-        for index, (module_dict, previous) in run.tapped.items():
-            tap = taps[index]
-            tap.pre = tap.post = -1  # a reference kept somewhere fires nothing more
-            if module_dict.get("forward") is tap:  # (unless the user replaced it since)
-                if previous is _MISSING:
-                    del module_dict["forward"]
-                else:
-                    module_dict["forward"] = previous
-        run.taps.clear()
-        run.tapped.clear()
     if run.overrides:
         for module, previous in run.overrides.values():
             if module is None:

@@ -72,9 +72,11 @@ class Interleaver(hotpath.Exchange):
         # Containers a run fills; its teardown leaves them empty (the engine reuses this
         # object for the model's next run, see `reset`).
         self.mediators = []
-        self.handles = {}  # key -> hook token, or None for a key its module's Tap fires (hooks.py)
-        self.taps = {}  # module index -> its Tap for this run (hooks.py)
-        self.tapped = {}  # module index -> (its instance dict, instance forward before the Tap, or missing)
+        # What the run installs (hooks.py), kept by its compiled tapper (hotpath.Taps):
+        self.tapper = hotpath.Taps(state, hooks.GLOBAL_HOOKS, hooks.DIRECT_HOOKS)
+        self.handles = self.tapper.handles  # key -> hook token, or None for a key a Tap fires
+        self.taps = self.tapper.taps  # module index -> its Tap for this run
+        self.tapped = self.tapper.tapped  # module index -> (its instance dict, forward before, or UNSET)
         self.overrides = {}  # module index -> (module, previous instance forward or missing)
         self.skips = {}  # module index -> list of (rows, value) for the current occurrence
         self.cut_short = []  # (message, filename, lineno) warned at the end
@@ -185,14 +187,13 @@ class Interleaver(hotpath.Exchange):
         if not self.stopped and self.failure is None:
             try:
                 if self.root_call:
-                    root = state.root
                     if self.learner is not None:
                         self.learner.record(0, (args, kwargs))
-                    replaced = self.pre_hook(0)(root, args, kwargs)
+                    replaced = self.hook_event(0, True, args, kwargs)
                     if replaced is not None:
                         args, kwargs = replaced
                     result = call(*args, **kwargs)
-                    replaced = self.post_hook(1)(root, args, result)
+                    replaced = self.hook_event(1, False, args, result)
                     if replaced is not None:
                         result = replaced
                 else:
@@ -399,7 +400,11 @@ class Interleaver(hotpath.Exchange):
         for mediator in self.mediators:
             if not mediator.finished:
                 mediator.cancel()
-        if self.handles or self.overrides:
+        if self.handles:
+            tokens = self.tapper.remove()  # hooks.remove's common case, inline: the taps
+            if tokens or self.overrides:
+                hooks.remove(self, tokens)
+        elif self.overrides:
             hooks.remove(self)
         if self.cleanups:
             cleanups, self.cleanups = self.cleanups, []

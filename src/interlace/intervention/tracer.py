@@ -16,7 +16,7 @@ import sys
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from .body import BodyJob
-from .access import active_interleaver, engine_of
+from .access import active_interleaver
 from .edit import replays
 from .grads import block_uses_backward, followed_by_with
 from .iteration import IterMixin
@@ -32,7 +32,7 @@ class InterleavingTracer(IterMixin, Tracer):
     def __init__(self, model, args=(), kwargs=None, run=None, batcher=None):
         super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
         self.model = model
-        self.engine = engine_of(model)  # what runs it (one per model, see engine.py)
+        self.engine = model.__dict__["_engine"]  # engine_of(model), inline: what runs it (engine.py)
         self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
         self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
         self._invokes = []
@@ -230,22 +230,24 @@ class _InvokeRun:
 class _InterleavingBackend(Backend):
     def __call__(self, tracer):
         try:
-            self.run(tracer)
+            if tracer.args or tracer.kwargs:  # `model.trace(x)`: the whole body is one mediator
+                values = {}
+                model = tracer.model
+                tracer._result = tracer.engine.interleave(
+                    [(BodyJob(tracer.defer(), values), tracer.args, tracer.kwargs)],
+                    run=tracer._run, batcher=tracer._batcher,
+                    backward=block_uses_backward(tracer.block),
+                    edits=replays(model) if "_edits" in model.__dict__ else (),
+                )
+                tracer.push_result(values)
+            else:
+                self.run_invokes(tracer)
         finally:
             tracer.release()
 
-    def run(self, tracer):
+    def run_invokes(self, tracer):
+        """`model.trace()`: run the body to collect its invokes, then run them batched."""
         engine = tracer.engine
-        if tracer.args or tracer.kwargs:
-            values = {}
-            model = tracer.model
-            tracer._result = engine.interleave(
-                [(BodyJob(tracer.defer(), values), tracer.args, tracer.kwargs)], run=tracer._run,
-                batcher=tracer._batcher, backward=block_uses_backward(tracer.block),
-                edits=replays(model) if "_edits" in model.__dict__ else (),
-            )
-            tracer.push_result(values)
-            return
         tracer._collecting = True
         engine.collecting = True
         try:

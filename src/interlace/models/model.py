@@ -77,7 +77,9 @@ class Model(Envoy):
         """
         if remote is not False:
             check_remote(remote, "model.trace")
-        tracer = tracer_class(tracer_cls, InterleavingTracer, "model.trace")(self, args, kwargs)
+        cls = InterleavingTracer if tracer_cls is None else tracer_class(
+            tracer_cls, InterleavingTracer, "model.trace")
+        tracer = cls(self, args, kwargs)
         return tracer if trace else tracer.run_untraced()
 
     def wrapper_recipe(self):
