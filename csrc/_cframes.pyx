@@ -26,6 +26,8 @@ cdef extern from "_cframes_impl.h":
     int ilc_look_past(object code) except -1
     object ilc_site(object code, int lasti, object kind)
     object ilc_user_frame(object frame)
+    object ilc_bind_fast(object frame, object names)
+    int ilc_write_fast(object frame, object values) except -1
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
@@ -138,9 +140,10 @@ def redirect(code, int unit, int delta):
 
 def write_back(frame, values):
     """Write `values` into `frame`'s variables: fast locals and cells, module globals,
-    or a class body's namespace. A function frame's `f_locals` snapshot (3.10-3.12), synced
-    to write through it, is emptied after: it would keep every local of that moment alive
-    (see `skip.release_locals`)."""
+    or a class body's namespace. A function frame's variables are written in place
+    (3.10-3.12; 3.13 through its write-through `f_locals` proxy), and an `f_locals`
+    snapshot an earlier read left on it is emptied: it would keep every local of that
+    moment alive (see `skip.release_locals`)."""
     if not values:
         return
     if not frame.f_code.co_flags & CO_OPTIMIZED:   # module or class body
@@ -151,26 +154,18 @@ def write_back(frame, values):
         for name, value in values.items():
             proxy[name] = value
         return
-    f_locals = frame.f_locals             # synced from the fast locals by the getter
-    f_locals.update(values)
-    PyFrame_LocalsToFast(frame, 0)
-    f_locals.clear()
+    ilc_write_fast(frame, values)
 
 
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX < 0x030D0000
-    #include "frameobject.h"
-    static int ilc_locals_to_fast(PyObject *f, int clear) {
-        /* f: borrowed. Returns 0, -1 with an error set. */
-        PyFrame_LocalsToFast((PyFrameObject *)f, clear);
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    #else
-    static int ilc_locals_to_fast(PyObject *f, int clear) { return 0; }
-    #endif
-    """
-    int PyFrame_LocalsToFast "ilc_locals_to_fast" (object frame, int clear) except -1
+def bind(frame, names):
+    """{name: value} for each of `names` (a tuple of str) that is bound in `frame` now, in
+    `names` order: a function frame's variables (a cell's contents), a module's globals, a
+    class body's namespace. Leaves no `f_locals` snapshot on a function frame (3.10-3.12:
+    the variables are read in place, and a snapshot an earlier read left is emptied)."""
+    if not PY313_PLUS and frame.f_code.co_flags & CO_OPTIMIZED:
+        return ilc_bind_fast(frame, names)
+    scope = frame.f_locals                 # module: its globals; class: its namespace
+    return {name: scope[name] for name in names if name in scope}
 
 
 def _forget_starts(ref, key):

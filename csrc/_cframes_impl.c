@@ -497,6 +497,137 @@ int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
 }
 #endif
 
+/* ---------------------------------------------------------- frame variables ---- *
+ * A function frame's variables read and written in place (3.10-3.12), for binding the
+ * names a deferred body uses and for writing its results back, without the `f_locals`
+ * snapshot (a dict of every local, synced at each read) that the Python route builds and
+ * then has to empty. What they see is what the snapshot would hold: a cell variable's
+ * contents (3.10 keeps an argument that is also a cell in the cell, its fast slot cleared),
+ * free variables, plain locals; unbound slots are missing. 3.13's `f_locals` is already a
+ * write-through proxy with no snapshot: its frames go the Python route. */
+#if PY_VERSION_HEX < 0x030D0000
+#ifndef CO_FAST_CELL
+#  define CO_FAST_CELL 0x40
+#endif
+#ifndef CO_FAST_FREE
+#  define CO_FAST_FREE 0x80
+#endif
+
+static inline int same_name(PyObject *a, PyObject *b) {
+    return a == b || (PyUnicode_GET_LENGTH(a) == PyUnicode_GET_LENGTH(b) && PyUnicode_Compare(a, b) == 0);
+}
+
+/* The slot of variable `name` (borrowed, a str) in frame f (borrowed, a function frame):
+   a pointer into its locals array, NULL if the code has no such variable. *cell: the slot
+   holds the variable's cell. */
+static PyObject **var_slot(PyFrameObject *f, PyObject *name, int *cell) {
+#if PY_VERSION_HEX >= 0x030B0000
+    _PyInterpreterFrame *fr = f->f_frame;
+    PyCodeObject *co = fr->f_code;
+    PyObject *names = co->co_localsplusnames;
+    const char *kinds = PyBytes_AS_STRING(co->co_localspluskinds);
+    for (int i = 0; i < co->co_nlocalsplus; i++) {
+        if (!same_name(PyTuple_GET_ITEM(names, i), name)) continue;
+        unsigned char kind = (unsigned char)kinds[i];
+#if PY_VERSION_HEX >= 0x030C0000
+        if (kind & CO_FAST_HIDDEN) return NULL;   /* an inlined comprehension's */
+#endif
+        PyObject **slot = &fr->localsplus[i];
+        *cell = (kind & (CO_FAST_CELL | CO_FAST_FREE)) && *slot != NULL && PyCell_Check(*slot);
+        return slot;
+    }
+    return NULL;
+#else
+    PyCodeObject *co = f->f_code;
+    Py_ssize_t nlocals = co->co_nlocals;
+    Py_ssize_t ncells = PyTuple_GET_SIZE(co->co_cellvars), nfree = PyTuple_GET_SIZE(co->co_freevars);
+    for (Py_ssize_t j = 0; j < ncells + nfree; j++) {   /* first: an argument may also be a cell */
+        PyObject *n = j < ncells ? PyTuple_GET_ITEM(co->co_cellvars, j)
+                                 : PyTuple_GET_ITEM(co->co_freevars, j - ncells);
+        if (!same_name(n, name)) continue;
+        PyObject **slot = &f->f_localsplus[nlocals + j];
+        *cell = *slot != NULL && PyCell_Check(*slot);
+        return slot;
+    }
+    for (Py_ssize_t j = 0; j < nlocals; j++) {
+        if (!same_name(PyTuple_GET_ITEM(co->co_varnames, j), name)) continue;
+        *cell = 0;
+        return &f->f_localsplus[j];
+    }
+    return NULL;
+#endif
+}
+
+/* Empty the frame's `f_locals` snapshot if an earlier read left one (see skip.release_locals). */
+static void drop_snapshot(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *snapshot = f->f_frame->f_locals;
+#else
+    PyObject *snapshot = f->f_locals;
+#endif
+    if (snapshot != NULL && PyDict_CheckExact(snapshot) && PyDict_GET_SIZE(snapshot) > 0)
+        PyDict_Clear(snapshot);
+}
+#endif
+
+PyObject *ilc_bind_fast(PyObject *frame, PyObject *names) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (!PyFrame_Check(frame) || !PyTuple_Check(names)) {
+        PyErr_SetString(PyExc_TypeError, "bind_fast() needs a frame and a tuple of names");
+        return NULL;
+    }
+    PyFrameObject *f = (PyFrameObject *)frame;
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(names); k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, k);
+        if (!PyUnicode_Check(name)) continue;
+        int cell = 0;
+        PyObject **slot = var_slot(f, name, &cell);
+        PyObject *value = slot == NULL ? NULL : cell ? PyCell_GET(*slot) : *slot;
+        if (value != NULL && PyDict_SetItem(out, name, value) < 0) { Py_DECREF(out); return NULL; }
+    }
+    drop_snapshot(f);
+    return out;
+#else
+    PyErr_SetString(PyExc_NotImplementedError, "bind_fast(): 3.13+ frames go through f_locals");
+    return NULL;
+#endif
+}
+
+int ilc_write_fast(PyObject *frame, PyObject *values) {
+#if PY_VERSION_HEX < 0x030D0000
+    if (!PyFrame_Check(frame) || !PyDict_Check(values)) {
+        PyErr_SetString(PyExc_TypeError, "write_fast() needs a frame and a dict");
+        return -1;
+    }
+    PyFrameObject *f = (PyFrameObject *)frame;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(values, &pos, &name, &value)) {
+        if (!PyUnicode_Check(name)) continue;
+        int cell = 0;
+        PyObject **slot = var_slot(f, name, &cell);
+        if (slot == NULL) continue;                    /* not a variable of the frame */
+        if (cell) {
+            PyObject *old = PyCell_GET(*slot);
+            if (old == value) continue;
+            Py_INCREF(value);
+            PyCell_SET(*slot, value);
+            Py_XDECREF(old);
+        } else if (*slot != value) {
+            Py_INCREF(value);
+            Py_XSETREF(*slot, value);
+        }
+    }
+    drop_snapshot(f);
+    return 0;
+#else
+    PyErr_SetString(PyExc_NotImplementedError, "write_fast(): 3.13+ frames go through f_locals");
+    return -1;
+#endif
+}
+
 /* --------------------------------------------------------------- warm sites ---- *
  * What the Python policy decided for a `with` site, kept on the code object (co_extra): one
  * CodeSites per code object, freed with it. A site is keyed by the with's f_lasti and the

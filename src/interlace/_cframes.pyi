@@ -94,6 +94,9 @@ def redirect(code: CodeType, unit: int, delta: int) -> None:
 def write_back(frame: FrameType, values: Mapping[str, Any]) -> None:
     """Write values into the frame: fast locals and cells, module globals, class bodies."""
 
+def bind(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
+    """The names of `names` bound in the frame now, in `names` order (no f_locals snapshot left)."""
+
 def tracer_methods(
     cls: type,
     enter: Any,
