@@ -8,7 +8,7 @@ Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C ha
 import threading
 import weakref
 
-from interlace.versions import CO_OPTIMIZED, HAS_MONITORING, PY313_PLUS
+from interlace.versions import HAS_MONITORING
 
 cdef extern from "_cframes_impl.h":
     int ilc_init(object skip_signal) except -1
@@ -26,8 +26,8 @@ cdef extern from "_cframes_impl.h":
     int ilc_look_past(object code) except -1
     object ilc_site(object code, int lasti, object kind)
     object ilc_user_frame(object frame)
-    object ilc_bind_fast(object frame, object names)
-    int ilc_write_fast(object frame, object values) except -1
+    object ilc_bind(object frame, object names)
+    int ilc_write_back(object frame, object values) except -1
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
@@ -144,17 +144,7 @@ def write_back(frame, values):
     (3.10-3.12; 3.13 through its write-through `f_locals` proxy), and an `f_locals`
     snapshot an earlier read left on it is emptied: it would keep every local of that
     moment alive (see `skip.release_locals`)."""
-    if not values:
-        return
-    if not frame.f_code.co_flags & CO_OPTIMIZED:   # module or class body
-        frame.f_locals.update(values)
-        return
-    if PY313_PLUS:
-        proxy = frame.f_locals            # PEP 667 write-through proxy
-        for name, value in values.items():
-            proxy[name] = value
-        return
-    ilc_write_fast(frame, values)
+    ilc_write_back(frame, values)
 
 
 def bind(frame, names):
@@ -162,10 +152,7 @@ def bind(frame, names):
     `names` order: a function frame's variables (a cell's contents), a module's globals, a
     class body's namespace. Leaves no `f_locals` snapshot on a function frame (3.10-3.12:
     the variables are read in place, and a snapshot an earlier read left is emptied)."""
-    if not PY313_PLUS and frame.f_code.co_flags & CO_OPTIMIZED:
-        return ilc_bind_fast(frame, names)
-    scope = frame.f_locals                 # module: its globals; class: its namespace
-    return {name: scope[name] for name in names if name in scope}
+    return ilc_bind(frame, names)
 
 
 def _forget_starts(ref, key):

@@ -570,62 +570,121 @@ static void drop_snapshot(PyFrameObject *f) {
 }
 #endif
 
-PyObject *ilc_bind_fast(PyObject *frame, PyObject *names) {
-#if PY_VERSION_HEX < 0x030D0000
+static PyObject *s_f_locals = NULL, *s_update = NULL;   /* interned */
+
+/* frame.f_locals (a new reference): a module's globals, a class body's namespace, 3.13's
+   write-through proxy. NULL with an error set. */
+static PyObject *frame_scope(PyObject *frame) {
+    if (s_f_locals == NULL && (s_f_locals = PyUnicode_InternFromString("f_locals")) == NULL) return NULL;
+    return PyObject_GetAttr(frame, s_f_locals);
+}
+
+PyObject *ilc_bind(PyObject *frame, PyObject *names) {
     if (!PyFrame_Check(frame) || !PyTuple_Check(names)) {
-        PyErr_SetString(PyExc_TypeError, "bind_fast() needs a frame and a tuple of names");
+        PyErr_SetString(PyExc_TypeError, "bind() needs a frame and a tuple of names");
         return NULL;
     }
     PyFrameObject *f = (PyFrameObject *)frame;
     PyObject *out = PyDict_New();
     if (out == NULL) return NULL;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(names); k++) {
-        PyObject *name = PyTuple_GET_ITEM(names, k);
-        if (!PyUnicode_Check(name)) continue;
-        int cell = 0;
-        PyObject **slot = var_slot(f, name, &cell);
-        PyObject *value = slot == NULL ? NULL : cell ? PyCell_GET(*slot) : *slot;
-        if (value != NULL && PyDict_SetItem(out, name, value) < 0) { Py_DECREF(out); return NULL; }
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+#if PY_VERSION_HEX < 0x030D0000
+    if (((PyCodeObject *)frame_code(f))->co_flags & CO_OPTIMIZED) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *name = PyTuple_GET_ITEM(names, k);
+            if (!PyUnicode_Check(name)) continue;
+            int cell = 0;
+            PyObject **slot = var_slot(f, name, &cell);
+            PyObject *value = slot == NULL ? NULL : cell ? PyCell_GET(*slot) : *slot;
+            if (value != NULL && PyDict_SetItem(out, name, value) < 0) { Py_DECREF(out); return NULL; }
+        }
+        drop_snapshot(f);
+        return out;
     }
-    drop_snapshot(f);
-    return out;
-#else
-    PyErr_SetString(PyExc_NotImplementedError, "bind_fast(): 3.13+ frames go through f_locals");
-    return NULL;
 #endif
+    PyObject *scope = frame_scope(frame);
+    if (scope == NULL) { Py_DECREF(out); return NULL; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, k);
+        PyObject *value = NULL;
+        if (PyDict_CheckExact(scope)) {
+            value = Py_XNewRef(PyDict_GetItemWithError(scope, name));
+        } else {                           /* a class namespace of a metaclass's own, a proxy */
+            int has = PySequence_Contains(scope, name);
+            if (has > 0) value = PyObject_GetItem(scope, name);
+            else if (has < 0) goto error;
+        }
+        if (value == NULL) {
+            if (PyErr_Occurred()) goto error;
+            continue;
+        }
+        int r = PyDict_SetItem(out, name, value);
+        Py_DECREF(value);
+        if (r < 0) goto error;
+    }
+    Py_DECREF(scope);
+    return out;
+error:
+    Py_DECREF(scope);
+    Py_DECREF(out);
+    return NULL;
 }
 
-int ilc_write_fast(PyObject *frame, PyObject *values) {
-#if PY_VERSION_HEX < 0x030D0000
-    if (!PyFrame_Check(frame) || !PyDict_Check(values)) {
-        PyErr_SetString(PyExc_TypeError, "write_fast() needs a frame and a dict");
-        return -1;
-    }
+int ilc_write_back(PyObject *frame, PyObject *values) {
+    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "write_back() needs a frame"); return -1; }
+    int any = PyObject_IsTrue(values);
+    if (any <= 0) return any;
     PyFrameObject *f = (PyFrameObject *)frame;
+    int optimized = ((PyCodeObject *)frame_code(f))->co_flags & CO_OPTIMIZED;
+    PyObject *scope = NULL, *items = NULL;
+    int result = -1;
+#if PY_VERSION_HEX < 0x030D0000
+    if (optimized) {
+        if (PyDict_Check(values)) items = Py_NewRef(values);
+        else if ((items = PyDict_New()) == NULL || PyDict_Update(items, values) < 0) goto done;
+        Py_ssize_t pos = 0;
+        PyObject *name, *value;
+        while (PyDict_Next(items, &pos, &name, &value)) {
+            if (!PyUnicode_Check(name)) continue;
+            int cell = 0;
+            PyObject **slot = var_slot(f, name, &cell);
+            if (slot == NULL) continue;                /* not a variable of the frame */
+            if (cell) {
+                PyObject *old = PyCell_GET(*slot);
+                if (old == value) continue;
+                Py_INCREF(value);
+                PyCell_SET(*slot, value);
+                Py_XDECREF(old);
+            } else if (*slot != value) {
+                Py_INCREF(value);
+                Py_XSETREF(*slot, value);
+            }
+        }
+        drop_snapshot(f);
+        result = 0;
+        goto done;
+    }
+#endif
+    if ((scope = frame_scope(frame)) == NULL) goto done;
+    if (!optimized) {                      /* module globals, a class body's namespace */
+        if (s_update == NULL && (s_update = PyUnicode_InternFromString("update")) == NULL) goto done;
+        PyObject *r = PyObject_CallMethodOneArg(scope, s_update, values);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        result = 0;
+        goto done;
+    }
+    /* 3.13: the PEP 667 write-through proxy */
+    if ((items = PyDict_New()) == NULL || PyDict_Update(items, values) < 0) goto done;
     Py_ssize_t pos = 0;
     PyObject *name, *value;
-    while (PyDict_Next(values, &pos, &name, &value)) {
-        if (!PyUnicode_Check(name)) continue;
-        int cell = 0;
-        PyObject **slot = var_slot(f, name, &cell);
-        if (slot == NULL) continue;                    /* not a variable of the frame */
-        if (cell) {
-            PyObject *old = PyCell_GET(*slot);
-            if (old == value) continue;
-            Py_INCREF(value);
-            PyCell_SET(*slot, value);
-            Py_XDECREF(old);
-        } else if (*slot != value) {
-            Py_INCREF(value);
-            Py_XSETREF(*slot, value);
-        }
-    }
-    drop_snapshot(f);
-    return 0;
-#else
-    PyErr_SetString(PyExc_NotImplementedError, "write_fast(): 3.13+ frames go through f_locals");
-    return -1;
-#endif
+    while (PyDict_Next(items, &pos, &name, &value))
+        if (PyObject_SetItem(scope, name, value) < 0) goto done;
+    result = 0;
+done:
+    Py_XDECREF(scope);
+    Py_XDECREF(items);
+    return result;
 }
 
 /* --------------------------------------------------------------- warm sites ---- *

@@ -68,14 +68,16 @@ PyObject *ilc_tracer_base(void);
    __enter__/__exit__ and return a done awaitable. NULL with an error set. */
 PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
                              PyObject *current, PyObject *default_backend);
-/* frame: borrowed, a function frame (CO_OPTIMIZED), 3.10-3.12; names: borrowed, a tuple of
-   str. Returns a NEW dict of those names that are variables of the frame and bound now (a
-   cell's contents), in `names` order, and empties the frame's f_locals snapshot if one was
-   left; NULL with an error set. */
-PyObject *ilc_bind_fast(PyObject *frame, PyObject *names);
-/* frame: borrowed, a function frame, 3.10-3.12; values: borrowed, a dict name -> value.
-   Writes each value into the frame's variable of that name (a cell's contents for a cell
-   variable; names that are not variables of the frame are skipped) and empties the f_locals
-   snapshot if one was left. Returns 0, -1 with an error set. */
-int ilc_write_fast(PyObject *frame, PyObject *values);
+/* frame: borrowed; names: borrowed, a tuple of str. Returns a NEW dict of those names bound
+   in the frame now, in `names` order: a function frame's variables (a cell's contents; read
+   in place on 3.10-3.12, emptying an f_locals snapshot an earlier read left), else what its
+   f_locals maps them to (a module's globals, a class namespace, 3.13's proxy). NULL with an
+   error set. */
+PyObject *ilc_bind(PyObject *frame, PyObject *names);
+/* frame, values (a mapping name -> value): borrowed. Writes each value into the frame's
+   variable of that name: a function frame's in place on 3.10-3.12 (a cell's contents for a
+   cell variable; names that are not variables of the frame are skipped; an f_locals snapshot
+   left is emptied), through 3.13's proxy, or `f_locals.update(values)` for a module or a
+   class body. Returns 0, -1 with an error set. */
+int ilc_write_back(PyObject *frame, PyObject *values);
 #endif
