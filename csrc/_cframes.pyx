@@ -28,6 +28,7 @@ cdef extern from "_cframes_impl.h":
     object ilc_user_frame(object frame)
     object ilc_bind(object frame, object names)
     int ilc_write_back(object frame, object values) except -1
+    object ilc_call_bound(object function, object namespace, object params)
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
@@ -153,6 +154,12 @@ def bind(frame, names):
     class body's namespace. Leaves no `f_locals` snapshot on a function frame (3.10-3.12:
     the variables are read in place, and a snapshot an earlier read left is emptied)."""
     return ilc_bind(frame, names)
+
+
+def call_bound(function, namespace, params):
+    """`function(*[namespace[name] for name in params])`, without the argument tuple: how a
+    deferred body's function is called with the names it was bound to."""
+    return ilc_call_bound(function, namespace, params)
 
 
 def _forget_starts(ref, key):

@@ -687,6 +687,33 @@ done:
     return result;
 }
 
+PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *params) {
+    if (!PyTuple_Check(params)) { PyErr_SetString(PyExc_TypeError, "call_bound() needs a tuple of names"); return NULL; }
+    Py_ssize_t n = PyTuple_GET_SIZE(params), got = 0;
+    PyObject *small[8] = {NULL};
+    PyObject **stack = n <= 8 ? small : PyMem_New(PyObject *, n);
+    if (stack == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    int exact = PyDict_CheckExact(namespace);
+    for (; got < n; got++) {
+        PyObject *name = PyTuple_GET_ITEM(params, got);
+        PyObject *value;
+        if (exact) {
+            value = Py_XNewRef(PyDict_GetItemWithError(namespace, name));
+            if (value == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+        } else {
+            value = PyObject_GetItem(namespace, name);   /* a mapping's own __getitem__ */
+        }
+        if (value == NULL) goto done;
+        stack[got] = value;
+    }
+    result = PyObject_Vectorcall(function, stack, (size_t)n, NULL);
+done:
+    for (Py_ssize_t k = 0; k < got; k++) Py_DECREF(stack[k]);
+    if (stack != small) PyMem_Free(stack);
+    return result;
+}
+
 /* --------------------------------------------------------------- warm sites ---- *
  * What the Python policy decided for a `with` site, kept on the code object (co_extra): one
  * CodeSites per code object, freed with it. A site is keyed by the with's f_lasti and the

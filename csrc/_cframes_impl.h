@@ -80,4 +80,8 @@ PyObject *ilc_bind(PyObject *frame, PyObject *names);
    left is emptied), through 3.13's proxy, or `f_locals.update(values)` for a module or a
    class body. Returns 0, -1 with an error set. */
 int ilc_write_back(PyObject *frame, PyObject *values);
+/* function, namespace (a mapping), params (a tuple of names): borrowed. Returns a NEW
+   reference to function(*[namespace[name] for name in params]) without building the
+   argument tuple; NULL with an error set (KeyError for a name namespace lacks). */
+PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *params);
 #endif

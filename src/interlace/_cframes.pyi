@@ -97,6 +97,9 @@ def write_back(frame: FrameType, values: Mapping[str, Any]) -> None:
 def bind(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
     """The names of `names` bound in the frame now, in `names` order (no f_locals snapshot left)."""
 
+def call_bound(function: Any, namespace: Mapping[str, Any], params: tuple[str, ...]) -> Any:
+    """function(*[namespace[name] for name in params])."""
+
 def tracer_methods(
     cls: type,
     enter: Any,

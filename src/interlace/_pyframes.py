@@ -377,3 +377,9 @@ def bind(frame, names):
     if V.LOCALS_SNAPSHOT and frame.f_code.co_flags & V.CO_OPTIMIZED:
         scope.clear()
     return out
+
+
+def call_bound(function, namespace, params):
+    """`function(*[namespace[name] for name in params])`: how a deferred body's function is
+    called with the names it was bound to."""
+    return function(*map(namespace.__getitem__, params))

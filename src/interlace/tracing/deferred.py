@@ -37,6 +37,7 @@ from .save import exit_body as _exit_body
 _make_function = make_function
 _LOCALS_PARAM = LOCALS_PARAM
 _bind = _native.frames.bind
+_call_bound = _native.frames.call_bound
 
 
 class DeferredBody:
@@ -84,19 +85,24 @@ class DeferredBody:
             if globals_ is None:  # rebuilt from a pickle: the namespace is all there is
                 function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), dict(namespace))
             else:
-                key = (params, id(globals_), True) if reads_as_globals else (params, id(globals_))
-                function = block.callables.get(key)  # (the function keeps globals_, hence its id)
-                if function is None:
-                    code = block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame)
-                    function = block.callables[key] = _make_function(code, globals_)
+                last = block.last_function  # the warm case: the site's previous run's function
+                if last is not None and last[1] is globals_ and last[0] == params and not reads_as_globals:
+                    function = last[2]
+                else:
+                    key = (params, id(globals_), True) if reads_as_globals else (params, id(globals_))
+                    function = block.callables.get(key)  # (the function keeps globals_, hence its id)
+                    if function is None:
+                        code = block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame)
+                        function = block.callables[key] = _make_function(code, globals_)
+                    if not reads_as_globals:
+                        block.last_function = (params, globals_, function)
         else:  # a mapping of this run's own: not cached
             function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), globals)
         self._code = function.__code__
         self._entry = namespace
-        arguments = tuple(map(namespace.__getitem__, params))
         token = _enter_body(self.state)  # also mounts `.save()`
         try:
-            result = function(*arguments)
+            result = _call_bound(function, namespace, params)  # function(*(namespace[p] for p in params))
         finally:
             _exit_body(token)
         del result[_LOCALS_PARAM]
