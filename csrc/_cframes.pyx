@@ -29,6 +29,7 @@ cdef extern from "_cframes_impl.h":
     object ilc_bind(object frame, object names)
     int ilc_write_back(object frame, object values) except -1
     object ilc_call_bound(object function, object namespace, object params)
+    object ilc_pick(object values, object names, object saved)
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
@@ -160,6 +161,13 @@ def call_bound(function, namespace, params):
     """`function(*[namespace[name] for name in params])`, without the argument tuple: how a
     deferred body's function is called with the names it was bound to."""
     return ilc_call_bound(function, namespace, params)
+
+
+def pick(values, names, saved=None):
+    """{name: values[name]} for each of `names` in `values` whose value is in `saved` (a
+    trace's saved dict, id -> object) by identity; every one of them if `saved` is None.
+    What a body's results write back into the caller."""
+    return ilc_pick(values, names, saved)
 
 
 def _forget_starts(ref, key):

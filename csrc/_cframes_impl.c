@@ -714,6 +714,50 @@ done:
     return result;
 }
 
+PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved) {
+    if (saved != Py_None && !PyDict_Check(saved)) {
+        PyErr_SetString(PyExc_TypeError, "pick() needs the saved dict (id -> object) or None");
+        return NULL;
+    }
+    PyObject *out = PyDict_New(), *iter = NULL, *name = NULL;
+    if (out == NULL) return NULL;
+    if ((iter = PyObject_GetIter(names)) == NULL) goto error;
+    int exact = PyDict_CheckExact(values);
+    while ((name = PyIter_Next(iter)) != NULL) {
+        PyObject *value;
+        if (exact) {
+            value = Py_XNewRef(PyDict_GetItemWithError(values, name));
+        } else {
+            int has = PySequence_Contains(values, name);
+            value = has > 0 ? PyObject_GetItem(values, name) : NULL;
+        }
+        if (value == NULL) {
+            if (PyErr_Occurred()) goto error;
+            Py_DECREF(name);
+            continue;
+        }
+        int keep = 1;
+        if (saved != Py_None) {            /* saved by identity: its id is the key */
+            PyObject *key = PyLong_FromVoidPtr(value);
+            keep = key == NULL ? -1 : PyDict_Contains(saved, key);
+            Py_XDECREF(key);
+        }
+        if (keep > 0) keep = PyDict_SetItem(out, name, value) < 0 ? -1 : 1;
+        Py_DECREF(value);
+        Py_DECREF(name);
+        name = NULL;
+        if (keep < 0) goto error;
+    }
+    if (PyErr_Occurred()) goto error;
+    Py_DECREF(iter);
+    return out;
+error:
+    Py_XDECREF(name);
+    Py_XDECREF(iter);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* --------------------------------------------------------------- warm sites ---- *
  * What the Python policy decided for a `with` site, kept on the code object (co_extra): one
  * CodeSites per code object, freed with it. A site is keyed by the with's f_lasti and the

@@ -84,4 +84,9 @@ int ilc_write_back(PyObject *frame, PyObject *values);
    reference to function(*[namespace[name] for name in params]) without building the
    argument tuple; NULL with an error set (KeyError for a name namespace lacks). */
 PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *params);
+/* values (a mapping), names (an iterable of names), saved (a dict id -> object, or None):
+   borrowed. Returns a NEW dict {name: values[name]} for each of `names` in `values` (in
+   `names`' iteration order) whose value is in `saved` by identity (every one if saved is
+   None); NULL with an error set. */
+PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved);
 #endif

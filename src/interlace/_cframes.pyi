@@ -100,6 +100,9 @@ def bind(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
 def call_bound(function: Any, namespace: Mapping[str, Any], params: tuple[str, ...]) -> Any:
     """function(*[namespace[name] for name in params])."""
 
+def pick(values: Mapping[str, Any], names: Iterable[str], saved: dict[int, Any] | None = None) -> dict[str, Any]:
+    """The names of `names` in values whose value is saved (by identity; all if saved is None)."""
+
 def tracer_methods(
     cls: type,
     enter: Any,

@@ -505,3 +505,15 @@ def test_call_bound_calls_with_the_names_values_in_order():
     assert frames.call_bound(lambda *args: args, {name: k for k, name in enumerate(many)}, many) == tuple(range(12))
     with pytest.raises(KeyError, match="b"):
         frames.call_bound(f, {"a": 1}, ("a", "b"))
+
+
+def test_pick_keeps_the_saved_values_by_identity_or_all_of_them():
+    from interlace._native import frames
+
+    kept, equal = [1], [1]
+    values = {"a": kept, "b": equal, "c": 3}
+    names = frozenset({"a", "b", "d"})
+    assert frames.pick(values, names, {id(kept): kept}) == {"a": kept}
+    assert frames.pick(values, names, None) == {"a": kept, "b": equal}
+    assert frames.pick(values, names) == {"a": kept, "b": equal}
+    assert frames.pick(values, ("c", "a"), {}) == {}

@@ -38,6 +38,7 @@ _make_function = make_function
 _LOCALS_PARAM = LOCALS_PARAM
 _bind = _native.frames.bind
 _call_bound = _native.frames.call_bound
+_pick = _native.frames.pick
 
 
 class DeferredBody:
@@ -112,12 +113,8 @@ class DeferredBody:
         """What `push` writes of the body's final locals `values`: every name the body
         assigns when the trace is nested in another (the enclosing body goes on with them),
         else only the saved ones."""
-        names = self.block.assigned_names
         state = self.state
-        if state.depth:
-            return {name: values[name] for name in names if name in values}
-        saved = state.saved
-        return {name: values[name] for name in names if name in values and id(values[name]) in saved}
+        return _pick(values, self.block.assigned_names, None if state.depth else state.saved)
 
     def push(self, values: dict) -> dict:
         """Write `results(values)` into the caller's frame; returns what it wrote.

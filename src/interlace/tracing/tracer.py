@@ -241,18 +241,8 @@ class Tracer(_frames.TracerBase):
 
     def push_result(self, values: dict) -> None:
         """Write the body's results into the caller: all of them when nested, else the saved."""
-        names = self.block.assigned_names
         state = self._state or self.trace_state()
-        out = {}  # loops, not comprehensions: no extra Python frame per trace on 3.10/3.11
-        if state.depth:
-            for name in names:
-                if name in values:
-                    out[name] = values[name]
-        else:
-            saved = state.saved
-            for name in names:
-                if name in values and id(values[name]) in saved:
-                    out[name] = values[name]
+        out = _pick(values, self.block.assigned_names, None if state.depth else state.saved)
         if out and self._frame is not None:
             _write_back(self._frame, out)  # skip.write_back's mechanism, called directly
 
@@ -430,6 +420,7 @@ _user_frame = _frames.user_frame
 _arm = _frames.arm
 _disarm = _frames.disarm
 _write_back = _frames.write_back
+_pick = _frames.pick
 _make_function = make_function
 _LOCALS_PARAM = LOCALS_PARAM
 
