@@ -584,11 +584,11 @@ PyObject *ilc_bind(PyObject *frame, PyObject *names) {
         PyErr_SetString(PyExc_TypeError, "bind() needs a frame and a tuple of names");
         return NULL;
     }
-    PyFrameObject *f = (PyFrameObject *)frame;
     PyObject *out = PyDict_New();
     if (out == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(names);
 #if PY_VERSION_HEX < 0x030D0000
+    PyFrameObject *f = (PyFrameObject *)frame;
     if (((PyCodeObject *)frame_code(f))->co_flags & CO_OPTIMIZED) {
         for (Py_ssize_t k = 0; k < n; k++) {
             PyObject *name = PyTuple_GET_ITEM(names, k);
