@@ -517,3 +517,27 @@ def test_pick_keeps_the_saved_values_by_identity_or_all_of_them():
     assert frames.pick(values, names, None) == {"a": kept, "b": equal}
     assert frames.pick(values, names) == {"a": kept, "b": equal}
     assert frames.pick(values, ("c", "a"), {}) == {}
+
+
+def test_a_deferred_body_in_a_generator_and_a_coroutine_binds_and_writes_back_their_locals():
+    import asyncio
+
+    def gen(x):
+        cell = x + 1
+        with Tracer(backend=RunNow()):
+            h = save(x * 3 + cell)
+        yield h
+        yield (lambda: cell)()
+
+    async def coro(x):
+        with Tracer(backend=RunNow()):
+            h = save(x * 3)
+        await asyncio.sleep(0)
+        return h
+
+    def inline(x):  # the reference: the same statements, inline
+        cell = x + 1
+        return [x * 3 + cell, cell]
+
+    assert list(gen(2)) == inline(2) == [9, 3]
+    assert asyncio.run(coro(2)) == 6
