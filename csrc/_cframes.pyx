@@ -8,7 +8,7 @@ Same names and behaviour as the pure-Python twin `interlace._pyframes`; the C ha
 import threading
 import weakref
 
-from interlace.versions import CO_OPTIMIZED, HAS_MONITORING, PY313_PLUS
+from interlace.versions import HAS_MONITORING
 
 cdef extern from "_cframes_impl.h":
     int ilc_init(object skip_signal) except -1
@@ -26,6 +26,10 @@ cdef extern from "_cframes_impl.h":
     int ilc_look_past(object code) except -1
     object ilc_site(object code, int lasti, object kind)
     object ilc_user_frame(object frame)
+    object ilc_bind(object frame, object names)
+    int ilc_write_back(object frame, object values) except -1
+    object ilc_call_bound(object function, object namespace, object params)
+    object ilc_pick(object values, object names, object saved)
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
@@ -138,39 +142,32 @@ def redirect(code, int unit, int delta):
 
 def write_back(frame, values):
     """Write `values` into `frame`'s variables: fast locals and cells, module globals,
-    or a class body's namespace. A function frame's `f_locals` snapshot (3.10-3.12), synced
-    to write through it, is emptied after: it would keep every local of that moment alive
-    (see `skip.release_locals`)."""
-    if not values:
-        return
-    if not frame.f_code.co_flags & CO_OPTIMIZED:   # module or class body
-        frame.f_locals.update(values)
-        return
-    if PY313_PLUS:
-        proxy = frame.f_locals            # PEP 667 write-through proxy
-        for name, value in values.items():
-            proxy[name] = value
-        return
-    f_locals = frame.f_locals             # synced from the fast locals by the getter
-    f_locals.update(values)
-    PyFrame_LocalsToFast(frame, 0)
-    f_locals.clear()
+    or a class body's namespace. A function frame's variables are written in place
+    (3.10-3.12; 3.13 through its write-through `f_locals` proxy), and an `f_locals`
+    snapshot an earlier read left on it is emptied: it would keep every local of that
+    moment alive (see `skip.release_locals`)."""
+    ilc_write_back(frame, values)
 
 
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX < 0x030D0000
-    #include "frameobject.h"
-    static int ilc_locals_to_fast(PyObject *f, int clear) {
-        /* f: borrowed. Returns 0, -1 with an error set. */
-        PyFrame_LocalsToFast((PyFrameObject *)f, clear);
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    #else
-    static int ilc_locals_to_fast(PyObject *f, int clear) { return 0; }
-    #endif
-    """
-    int PyFrame_LocalsToFast "ilc_locals_to_fast" (object frame, int clear) except -1
+def bind(frame, names):
+    """{name: value} for each of `names` (a tuple of str) that is bound in `frame` now, in
+    `names` order: a function frame's variables (a cell's contents), a module's globals, a
+    class body's namespace. Leaves no `f_locals` snapshot on a function frame (3.10-3.12:
+    the variables are read in place, and a snapshot an earlier read left is emptied)."""
+    return ilc_bind(frame, names)
+
+
+def call_bound(function, namespace, params):
+    """`function(*[namespace[name] for name in params])`, without the argument tuple: how a
+    deferred body's function is called with the names it was bound to."""
+    return ilc_call_bound(function, namespace, params)
+
+
+def pick(values, names, saved=None):
+    """{name: values[name]} for each of `names` in `values` whose value is in `saved` (a
+    trace's saved dict, id -> object) by identity; every one of them if `saved` is None.
+    What a body's results write back into the caller."""
+    return ilc_pick(values, names, saved)
 
 
 def _forget_starts(ref, key):

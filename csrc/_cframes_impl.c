@@ -497,6 +497,267 @@ int ilc_patch_check(PyObject *code, int unit, int prev_unit) {
 }
 #endif
 
+/* ---------------------------------------------------------- frame variables ---- *
+ * A function frame's variables read and written in place (3.10-3.12), for binding the
+ * names a deferred body uses and for writing its results back, without the `f_locals`
+ * snapshot (a dict of every local, synced at each read) that the Python route builds and
+ * then has to empty. What they see is what the snapshot would hold: a cell variable's
+ * contents (3.10 keeps an argument that is also a cell in the cell, its fast slot cleared),
+ * free variables, plain locals; unbound slots are missing. 3.13's `f_locals` is already a
+ * write-through proxy with no snapshot: its frames go the Python route. */
+#if PY_VERSION_HEX < 0x030D0000
+#ifndef CO_FAST_CELL
+#  define CO_FAST_CELL 0x40
+#endif
+#ifndef CO_FAST_FREE
+#  define CO_FAST_FREE 0x80
+#endif
+
+static inline int same_name(PyObject *a, PyObject *b) {
+    return a == b || (PyUnicode_GET_LENGTH(a) == PyUnicode_GET_LENGTH(b) && PyUnicode_Compare(a, b) == 0);
+}
+
+/* The slot of variable `name` (borrowed, a str) in frame f (borrowed, a function frame):
+   a pointer into its locals array, NULL if the code has no such variable. *cell: the slot
+   holds the variable's cell. */
+static PyObject **var_slot(PyFrameObject *f, PyObject *name, int *cell) {
+#if PY_VERSION_HEX >= 0x030B0000
+    _PyInterpreterFrame *fr = f->f_frame;
+    PyCodeObject *co = fr->f_code;
+    PyObject *names = co->co_localsplusnames;
+    const char *kinds = PyBytes_AS_STRING(co->co_localspluskinds);
+    for (int i = 0; i < co->co_nlocalsplus; i++) {
+        if (!same_name(PyTuple_GET_ITEM(names, i), name)) continue;
+        unsigned char kind = (unsigned char)kinds[i];
+#if PY_VERSION_HEX >= 0x030C0000
+        if (kind & CO_FAST_HIDDEN) return NULL;   /* an inlined comprehension's */
+#endif
+        PyObject **slot = &fr->localsplus[i];
+        *cell = (kind & (CO_FAST_CELL | CO_FAST_FREE)) && *slot != NULL && PyCell_Check(*slot);
+        return slot;
+    }
+    return NULL;
+#else
+    PyCodeObject *co = f->f_code;
+    Py_ssize_t nlocals = co->co_nlocals;
+    Py_ssize_t ncells = PyTuple_GET_SIZE(co->co_cellvars), nfree = PyTuple_GET_SIZE(co->co_freevars);
+    for (Py_ssize_t j = 0; j < ncells + nfree; j++) {   /* first: an argument may also be a cell */
+        PyObject *n = j < ncells ? PyTuple_GET_ITEM(co->co_cellvars, j)
+                                 : PyTuple_GET_ITEM(co->co_freevars, j - ncells);
+        if (!same_name(n, name)) continue;
+        PyObject **slot = &f->f_localsplus[nlocals + j];
+        *cell = *slot != NULL && PyCell_Check(*slot);
+        return slot;
+    }
+    for (Py_ssize_t j = 0; j < nlocals; j++) {
+        if (!same_name(PyTuple_GET_ITEM(co->co_varnames, j), name)) continue;
+        *cell = 0;
+        return &f->f_localsplus[j];
+    }
+    return NULL;
+#endif
+}
+
+/* Empty the frame's `f_locals` snapshot if an earlier read left one (see skip.release_locals). */
+static void drop_snapshot(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    PyObject *snapshot = f->f_frame->f_locals;
+#else
+    PyObject *snapshot = f->f_locals;
+#endif
+    if (snapshot != NULL && PyDict_CheckExact(snapshot) && PyDict_GET_SIZE(snapshot) > 0)
+        PyDict_Clear(snapshot);
+}
+#endif
+
+static PyObject *s_f_locals = NULL, *s_update = NULL;   /* interned */
+
+/* frame.f_locals (a new reference): a module's globals, a class body's namespace, 3.13's
+   write-through proxy. NULL with an error set. */
+static PyObject *frame_scope(PyObject *frame) {
+    if (s_f_locals == NULL && (s_f_locals = PyUnicode_InternFromString("f_locals")) == NULL) return NULL;
+    return PyObject_GetAttr(frame, s_f_locals);
+}
+
+PyObject *ilc_bind(PyObject *frame, PyObject *names) {
+    if (!PyFrame_Check(frame) || !PyTuple_Check(names)) {
+        PyErr_SetString(PyExc_TypeError, "bind() needs a frame and a tuple of names");
+        return NULL;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+#if PY_VERSION_HEX < 0x030D0000
+    PyFrameObject *f = (PyFrameObject *)frame;
+    if (((PyCodeObject *)frame_code(f))->co_flags & CO_OPTIMIZED) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *name = PyTuple_GET_ITEM(names, k);
+            if (!PyUnicode_Check(name)) continue;
+            int cell = 0;
+            PyObject **slot = var_slot(f, name, &cell);
+            PyObject *value = slot == NULL ? NULL : cell ? PyCell_GET(*slot) : *slot;
+            if (value != NULL && PyDict_SetItem(out, name, value) < 0) { Py_DECREF(out); return NULL; }
+        }
+        drop_snapshot(f);
+        return out;
+    }
+#endif
+    PyObject *scope = frame_scope(frame);
+    if (scope == NULL) { Py_DECREF(out); return NULL; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, k);
+        PyObject *value = NULL;
+        if (PyDict_CheckExact(scope)) {
+            value = Py_XNewRef(PyDict_GetItemWithError(scope, name));
+        } else {                           /* a class namespace of a metaclass's own, a proxy */
+            int has = PySequence_Contains(scope, name);
+            if (has > 0) value = PyObject_GetItem(scope, name);
+            else if (has < 0) goto error;
+        }
+        if (value == NULL) {
+            if (PyErr_Occurred()) goto error;
+            continue;
+        }
+        int r = PyDict_SetItem(out, name, value);
+        Py_DECREF(value);
+        if (r < 0) goto error;
+    }
+    Py_DECREF(scope);
+    return out;
+error:
+    Py_DECREF(scope);
+    Py_DECREF(out);
+    return NULL;
+}
+
+int ilc_write_back(PyObject *frame, PyObject *values) {
+    if (!PyFrame_Check(frame)) { PyErr_SetString(PyExc_TypeError, "write_back() needs a frame"); return -1; }
+    int any = PyObject_IsTrue(values);
+    if (any <= 0) return any;
+    PyFrameObject *f = (PyFrameObject *)frame;
+    int optimized = ((PyCodeObject *)frame_code(f))->co_flags & CO_OPTIMIZED;
+    PyObject *scope = NULL, *items = NULL;
+    int result = -1;
+#if PY_VERSION_HEX < 0x030D0000
+    if (optimized) {
+        if (PyDict_Check(values)) items = Py_NewRef(values);
+        else if ((items = PyDict_New()) == NULL || PyDict_Update(items, values) < 0) goto done;
+        Py_ssize_t pos = 0;
+        PyObject *name, *value;
+        while (PyDict_Next(items, &pos, &name, &value)) {
+            if (!PyUnicode_Check(name)) continue;
+            int cell = 0;
+            PyObject **slot = var_slot(f, name, &cell);
+            if (slot == NULL) continue;                /* not a variable of the frame */
+            if (cell) {
+                PyObject *old = PyCell_GET(*slot);
+                if (old == value) continue;
+                Py_INCREF(value);
+                PyCell_SET(*slot, value);
+                Py_XDECREF(old);
+            } else if (*slot != value) {
+                Py_INCREF(value);
+                Py_XSETREF(*slot, value);
+            }
+        }
+        drop_snapshot(f);
+        result = 0;
+        goto done;
+    }
+#endif
+    if ((scope = frame_scope(frame)) == NULL) goto done;
+    if (!optimized) {                      /* module globals, a class body's namespace */
+        if (s_update == NULL && (s_update = PyUnicode_InternFromString("update")) == NULL) goto done;
+        PyObject *r = PyObject_CallMethodOneArg(scope, s_update, values);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+        result = 0;
+        goto done;
+    }
+    /* 3.13: the PEP 667 write-through proxy */
+    if ((items = PyDict_New()) == NULL || PyDict_Update(items, values) < 0) goto done;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(items, &pos, &name, &value))
+        if (PyObject_SetItem(scope, name, value) < 0) goto done;
+    result = 0;
+done:
+    Py_XDECREF(scope);
+    Py_XDECREF(items);
+    return result;
+}
+
+PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *params) {
+    if (!PyTuple_Check(params)) { PyErr_SetString(PyExc_TypeError, "call_bound() needs a tuple of names"); return NULL; }
+    Py_ssize_t n = PyTuple_GET_SIZE(params), got = 0;
+    PyObject *small[8] = {NULL};
+    PyObject **stack = n <= 8 ? small : PyMem_New(PyObject *, n);
+    if (stack == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    int exact = PyDict_CheckExact(namespace);
+    for (; got < n; got++) {
+        PyObject *name = PyTuple_GET_ITEM(params, got);
+        PyObject *value;
+        if (exact) {
+            value = Py_XNewRef(PyDict_GetItemWithError(namespace, name));
+            if (value == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+        } else {
+            value = PyObject_GetItem(namespace, name);   /* a mapping's own __getitem__ */
+        }
+        if (value == NULL) goto done;
+        stack[got] = value;
+    }
+    result = PyObject_Vectorcall(function, stack, (size_t)n, NULL);
+done:
+    for (Py_ssize_t k = 0; k < got; k++) Py_DECREF(stack[k]);
+    if (stack != small) PyMem_Free(stack);
+    return result;
+}
+
+PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved) {
+    if (saved != Py_None && !PyDict_Check(saved)) {
+        PyErr_SetString(PyExc_TypeError, "pick() needs the saved dict (id -> object) or None");
+        return NULL;
+    }
+    PyObject *out = PyDict_New(), *iter = NULL, *name = NULL;
+    if (out == NULL) return NULL;
+    if ((iter = PyObject_GetIter(names)) == NULL) goto error;
+    int exact = PyDict_CheckExact(values);
+    while ((name = PyIter_Next(iter)) != NULL) {
+        PyObject *value;
+        if (exact) {
+            value = Py_XNewRef(PyDict_GetItemWithError(values, name));
+        } else {
+            int has = PySequence_Contains(values, name);
+            value = has > 0 ? PyObject_GetItem(values, name) : NULL;
+        }
+        if (value == NULL) {
+            if (PyErr_Occurred()) goto error;
+            Py_DECREF(name);
+            continue;
+        }
+        int keep = 1;
+        if (saved != Py_None) {            /* saved by identity: its id is the key */
+            PyObject *key = PyLong_FromVoidPtr(value);
+            keep = key == NULL ? -1 : PyDict_Contains(saved, key);
+            Py_XDECREF(key);
+        }
+        if (keep > 0) keep = PyDict_SetItem(out, name, value) < 0 ? -1 : 1;
+        Py_DECREF(value);
+        Py_DECREF(name);
+        name = NULL;
+        if (keep < 0) goto error;
+    }
+    if (PyErr_Occurred()) goto error;
+    Py_DECREF(iter);
+    return out;
+error:
+    Py_XDECREF(name);
+    Py_XDECREF(iter);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* --------------------------------------------------------------- warm sites ---- *
  * What the Python policy decided for a `with` site, kept on the code object (co_extra): one
  * CodeSites per code object, freed with it. A site is keyed by the with's f_lasti and the

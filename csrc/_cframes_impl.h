@@ -68,4 +68,25 @@ PyObject *ilc_tracer_base(void);
    __enter__/__exit__ and return a done awaitable. NULL with an error set. */
 PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, PyObject *clean,
                              PyObject *current, PyObject *default_backend);
+/* frame: borrowed; names: borrowed, a tuple of str. Returns a NEW dict of those names bound
+   in the frame now, in `names` order: a function frame's variables (a cell's contents; read
+   in place on 3.10-3.12, emptying an f_locals snapshot an earlier read left), else what its
+   f_locals maps them to (a module's globals, a class namespace, 3.13's proxy). NULL with an
+   error set. */
+PyObject *ilc_bind(PyObject *frame, PyObject *names);
+/* frame, values (a mapping name -> value): borrowed. Writes each value into the frame's
+   variable of that name: a function frame's in place on 3.10-3.12 (a cell's contents for a
+   cell variable; names that are not variables of the frame are skipped; an f_locals snapshot
+   left is emptied), through 3.13's proxy, or `f_locals.update(values)` for a module or a
+   class body. Returns 0, -1 with an error set. */
+int ilc_write_back(PyObject *frame, PyObject *values);
+/* function, namespace (a mapping), params (a tuple of names): borrowed. Returns a NEW
+   reference to function(*[namespace[name] for name in params]) without building the
+   argument tuple; NULL with an error set (KeyError for a name namespace lacks). */
+PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *params);
+/* values (a mapping), names (an iterable of names), saved (a dict id -> object, or None):
+   borrowed. Returns a NEW dict {name: values[name]} for each of `names` in `values` (in
+   `names`' iteration order) whose value is in `saved` by identity (every one if saved is
+   None); NULL with an error set. */
+PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved);
 #endif

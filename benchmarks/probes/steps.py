@@ -63,6 +63,8 @@ STEPS = [
     ("interlace.intervention.mediator", "Mediator.start"),
     ("interlace.intervention.body", "BodyJob.__call__"),
     ("interlace.tracing.deferred", "DeferredBody.run"),
+    ("interlace.tracing.deferred", "_enter_body"),
+    ("interlace.tracing.deferred", "_exit_body"),
     ("interlace.tracing.tracer", "Tracer.push_result"),
     ("interlace.intervention.tracer", "InterleavingTracer.release"),
 ]

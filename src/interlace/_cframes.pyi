@@ -94,6 +94,15 @@ def redirect(code: CodeType, unit: int, delta: int) -> None:
 def write_back(frame: FrameType, values: Mapping[str, Any]) -> None:
     """Write values into the frame: fast locals and cells, module globals, class bodies."""
 
+def bind(frame: FrameType, names: tuple[str, ...]) -> dict[str, Any]:
+    """The names of `names` bound in the frame now, in `names` order (no f_locals snapshot left)."""
+
+def call_bound(function: Any, namespace: Mapping[str, Any], params: tuple[str, ...]) -> Any:
+    """function(*[namespace[name] for name in params])."""
+
+def pick(values: Mapping[str, Any], names: Iterable[str], saved: dict[int, Any] | None = None) -> dict[str, Any]:
+    """The names of `names` in values whose value is saved (by identity; all if saved is None)."""
+
 def tracer_methods(
     cls: type,
     enter: Any,

@@ -362,3 +362,35 @@ def write_back(frame, values):
     f_locals.update(values)
     ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
     f_locals.clear()
+
+
+def bind(frame, names):
+    """{name: value} for each of `names` (a tuple of str) that is bound in `frame` now, in
+    `names` order: a function frame's variables (a cell's contents), a module's globals, a
+    class body's namespace. The `f_locals` snapshot this reads a function frame through
+    (3.10-3.12) is emptied after (see `skip.release_locals`), as the compiled `bind`, which
+    reads the variables in place, leaves none."""
+    scope = frame.f_locals  # module: its globals; class: its namespace
+    # filter/map/zip, not comprehensions: no extra Python frame per trace on 3.10/3.11
+    params = tuple(filter(scope.__contains__, names))
+    out = dict(zip(params, map(scope.__getitem__, params)))
+    if V.LOCALS_SNAPSHOT and frame.f_code.co_flags & V.CO_OPTIMIZED:
+        scope.clear()
+    return out
+
+
+def call_bound(function, namespace, params):
+    """`function(*[namespace[name] for name in params])`: how a deferred body's function is
+    called with the names it was bound to."""
+    return function(*map(namespace.__getitem__, params))
+
+
+def pick(values, names, saved=None):
+    """{name: values[name]} for each of `names` in `values` whose value is in `saved` (a
+    trace's saved dict, id -> object) by identity; every one of them if `saved` is None.
+    What a body's results write back into the caller."""
+    out = {}  # loops, not comprehensions: no extra Python frame per trace on 3.10/3.11
+    for name in names:
+        if name in values and (saved is None or id(values[name]) in saved):
+            out[name] = values[name]
+    return out

@@ -8,6 +8,7 @@ import gc
 import pickle
 import sys
 import threading
+import types
 import weakref
 
 import pytest
@@ -441,3 +442,102 @@ class _Inline:
 
         exit_body(self.token)
         return False
+
+
+# -- the warm site: the body function found again, for the same names and globals only -----
+class RunNow(Backend):
+    """Defer, run and push at once (the interleaving backend's order, on one thread)."""
+
+    def __call__(self, tracer):
+        body = tracer.defer()
+        body.push(body.run())
+
+
+def _reads_y(bind):
+    if bind:
+        y = 5
+    with Tracer(backend=RunNow()):
+        h = -1
+        h = save(y) if "y" in locals() else save(h)
+    return h
+
+
+def test_a_site_whose_bound_names_change_between_traces_runs_the_body_of_those_names():
+    def inline(bind):  # the reference: the same statements, run inline
+        if bind:
+            y = 5
+        h = -1
+        h = y if "y" in locals() else h
+        return h
+
+    runs = [True, False, True, False]
+    assert [_reads_y(bind) for bind in runs] == [inline(bind) for bind in runs] == [5, -1, 5, -1]
+
+
+G = "module"
+
+
+def _reads_global():
+    with Tracer(backend=RunNow()):
+        h = save(G)
+    return h
+
+
+def test_one_site_run_with_other_globals_reads_those_globals():
+    other = types.FunctionType(_reads_global.__code__, {**globals(), "G": "other"})
+    assert [_reads_global(), other(), _reads_global(), other()] == ["module", "other", "module", "other"]
+
+
+def test_call_bound_calls_with_the_names_values_in_order():
+    from interlace._native import frames
+
+    class Computed(dict):
+        def __missing__(self, name):
+            return name.upper()
+
+    def f(a, b):
+        return a, b
+
+    assert frames.call_bound(f, {"b": 2, "a": 1}, ("a", "b")) == (1, 2)
+    assert frames.call_bound(f, Computed(a=1), ("a", "b")) == (1, "B")  # the mapping's own lookup
+    assert frames.call_bound(lambda: 0, {}, ()) == 0
+    many = tuple(f"n{k}" for k in range(12))  # more than fit on the compiled helper's stack
+    assert frames.call_bound(lambda *args: args, {name: k for k, name in enumerate(many)}, many) == tuple(range(12))
+    with pytest.raises(KeyError, match="b"):
+        frames.call_bound(f, {"a": 1}, ("a", "b"))
+
+
+def test_pick_keeps_the_saved_values_by_identity_or_all_of_them():
+    from interlace._native import frames
+
+    kept, equal = [1], [1]
+    values = {"a": kept, "b": equal, "c": 3}
+    names = frozenset({"a", "b", "d"})
+    assert frames.pick(values, names, {id(kept): kept}) == {"a": kept}
+    assert frames.pick(values, names, None) == {"a": kept, "b": equal}
+    assert frames.pick(values, names) == {"a": kept, "b": equal}
+    assert frames.pick(values, ("c", "a"), {}) == {}
+
+
+def test_a_deferred_body_in_a_generator_and_a_coroutine_binds_and_writes_back_their_locals():
+    import asyncio
+
+    def gen(x):
+        cell = x + 1
+        with Tracer(backend=RunNow()):
+            h = save(x * 3 + cell)
+        yield h
+        yield (lambda: cell)()
+
+    async def coro(x):
+        with Tracer(backend=RunNow()):
+            h = save(x * 3)
+        await asyncio.sleep(0)
+        return h
+
+    def inline(x):  # the reference: the same statements, inline
+        cell = x + 1
+        return [x * 3 + cell, cell]
+
+    assert list(gen(2)) == inline(2) == [9, 3]
+    assert asyncio.run(coro(2)) == 6

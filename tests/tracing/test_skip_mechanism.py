@@ -106,6 +106,84 @@ def test_write_back_targets_fast_locals_cells_globals_and_class_bodies():
     assert (fast(), cell(), Body.k) == (1, 2, 3)
 
 
+def test_write_back_targets_an_argument_that_is_a_cell_and_a_nonlocal():
+    def argument(x):
+        with SkipOnly({"x": 7}):
+            x = 0
+        return x, (lambda: x)()
+
+    def outer():
+        v = 0
+
+        def inner():
+            nonlocal v
+            with SkipOnly({"v": 8}):
+                v = 1
+
+        inner()
+        return v
+
+    assert (argument(1), outer()) == ((7, 7), 8)
+
+
+def _bound(frame, names):
+    """The reference for frames.bind: the names of `names` in `f_locals`, in that order."""
+    scope = frame.f_locals
+    return {name: scope[name] for name in names if name in scope}
+
+
+def test_bind_reads_what_f_locals_holds_in_names_order():
+    names = ("g", "free", "cell", "arg", "plain", "unbound", "missing")
+    g = None  # noqa: F841 - a local here; `g` in `scope` below is not
+    free = object()
+
+    def scope(arg):
+        plain = [free]
+        cell = 3
+        got = frames.bind(sys._getframe(), names)
+        want = _bound(sys._getframe(), names)
+        unbound = (lambda: (arg, cell))()
+        return got, want, unbound, plain
+
+    got, want, _, _ = scope("a")
+    assert got == want and list(got) == list(want) == ["free", "cell", "arg", "plain"]
+    assert got["free"] is free
+
+    class Body:
+        k = 1
+        got = frames.bind(sys._getframe(), ("j", "k", "free"))
+
+    assert Body.got == {"k": 1}
+    module = {"__name__": "m"}
+    exec("a = 1\nout = frames.bind(sys._getframe(), ('b', 'a', 'frames'))", {"frames": frames, "sys": sys}, module)
+    assert module["out"] == {"a": 1}
+    at_module = {"frames": frames, "sys": sys, "a": 2}
+    exec("out = frames.bind(sys._getframe(), ('a', 'frames'))", at_module)
+    assert at_module["out"] == {"a": 2, "frames": frames}
+
+
+def test_bind_leaves_no_snapshot_holding_the_callers_locals():
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    def scope():
+        big = Big()
+        ref = weakref.ref(big)
+        locals()  # 3.10-3.12: leaves a snapshot on the frame holding `big`
+        assert frames.bind(sys._getframe(), ("big",))["big"] is big
+        del big
+        return ref()
+
+    gc.disable()
+    try:
+        assert scope() is None
+    finally:
+        gc.enable()
+
+
 def test_async_with_site():
     ran = []
 

@@ -39,11 +39,14 @@ class Block:
     # Weakly referable: the warm-site record the frame mechanism keeps on the code object
     # (frames.register_site) must not keep a Block, whose body functions hold the globals
     # that hold that code, alive past BLOCKS.
-    __slots__ = _FIELDS + ("__weakref__",)
+    __slots__ = _FIELDS + ("__weakref__", "last_function")
 
     def __init__(self, **facts):
         for name in self._FIELDS:
             setattr(self, name, facts.get(name))
+        # (params, globals, function) of the latest deferred run without reads_as_globals:
+        # a warm trace at this site finds its body function here, without a key or a lookup
+        self.last_function = None
         self._functions = Recent(FUNCTIONS_LIMIT)  # params -> code
         self.callables = Recent(FUNCTIONS_LIMIT)  # (params, id(globals)) -> function (holds the globals)
 
@@ -99,6 +102,7 @@ class Block:
             setattr(self, name, state.get(name))
         self._functions = Recent(FUNCTIONS_LIMIT)
         self.callables = Recent(FUNCTIONS_LIMIT)
+        self.last_function = None
 
 
 class StandInFrame:

@@ -26,6 +26,7 @@ object), so they answer for a body that runs once at a time, which is how backen
 
 from __future__ import annotations
 
+from .. import _native
 from ..errors import InterlaceError
 from . import skip
 from .block import LOCALS_PARAM, make_function
@@ -35,6 +36,9 @@ from .save import exit_body as _exit_body
 
 _make_function = make_function
 _LOCALS_PARAM = LOCALS_PARAM
+_bind = _native.frames.bind
+_call_bound = _native.frames.call_bound
+_pick = _native.frames.pick
 
 
 class DeferredBody:
@@ -82,19 +86,24 @@ class DeferredBody:
             if globals_ is None:  # rebuilt from a pickle: the namespace is all there is
                 function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), dict(namespace))
             else:
-                key = (params, id(globals_), True) if reads_as_globals else (params, id(globals_))
-                function = block.callables.get(key)  # (the function keeps globals_, hence its id)
-                if function is None:
-                    code = block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame)
-                    function = block.callables[key] = _make_function(code, globals_)
+                last = block.last_function  # the warm case: the site's previous run's function
+                if last is not None and last[1] is globals_ and last[0] == params and not reads_as_globals:
+                    function = last[2]
+                else:
+                    key = (params, id(globals_), True) if reads_as_globals else (params, id(globals_))
+                    function = block.callables.get(key)  # (the function keeps globals_, hence its id)
+                    if function is None:
+                        code = block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame)
+                        function = block.callables[key] = _make_function(code, globals_)
+                    if not reads_as_globals:
+                        block.last_function = (params, globals_, function)
         else:  # a mapping of this run's own: not cached
             function = _make_function(block.function_code(params, self.tracer, reads_as_globals, self.tracer._frame), globals)
         self._code = function.__code__
         self._entry = namespace
-        arguments = tuple(map(namespace.__getitem__, params))
         token = _enter_body(self.state)  # also mounts `.save()`
         try:
-            result = function(*arguments)
+            result = _call_bound(function, namespace, params)  # function(*(namespace[p] for p in params))
         finally:
             _exit_body(token)
         del result[_LOCALS_PARAM]
@@ -104,12 +113,8 @@ class DeferredBody:
         """What `push` writes of the body's final locals `values`: every name the body
         assigns when the trace is nested in another (the enclosing body goes on with them),
         else only the saved ones."""
-        names = self.block.assigned_names
         state = self.state
-        if state.depth:
-            return {name: values[name] for name in names if name in values}
-        saved = state.saved
-        return {name: values[name] for name in names if name in values and id(values[name]) in saved}
+        return _pick(values, self.block.assigned_names, None if state.depth else state.saved)
 
     def push(self, values: dict) -> dict:
         """Write `results(values)` into the caller's frame; returns what it wrote.
@@ -174,8 +179,19 @@ class DeferredBody:
         return f"<DeferredBody {block.filename}:{block.lineno} binds {sorted(self.namespace)}>"
 
 
-def defer(tracer, namespace=None, state=None) -> DeferredBody:
-    """`Tracer.defer`'s work (see there)."""
+def defer(tracer, namespace=None, *, state=None) -> DeferredBody:
+    """A handle to run the body later, anywhere: `run()`, `push()`, `locals_at()`,
+    `paused_values()` (see `interlace.tracing.deferred`). Call it in the backend, while
+    `__exit__` runs: the caller's names the body uses are bound now (a loop variable
+    keeps this iteration's value).
+
+    `namespace`: bind these names instead (required on a tracer rebuilt from a pickle,
+    which has no caller; it then serves as the globals too). `state`: the `TraceState`
+    the body saves into (default: this trace's; a fresh `TraceState(None)` makes a run
+    behave as its own top-level trace).
+
+    `Tracer.defer` is this function itself (one Python call per trace, not two).
+    """
     block = tracer.block
     if block is None:
         raise InterlaceError("defer() needs a tracer whose with block was entered: call it from the backend")
@@ -187,11 +203,11 @@ def defer(tracer, namespace=None, state=None) -> DeferredBody:
                 f"variables, which exist only while the tracer's __exit__ runs (in the backend); "
                 f"a tracer rebuilt from a pickle has none: pass `namespace=`."
             )
-        names = frame.f_locals  # module: its globals; class: its namespace
-        # filter/map/zip, not comprehensions: no extra Python frame per trace on 3.10/3.11
-        params = tuple(filter(names.__contains__, block.names))
-        namespace = dict(zip(params, map(names.__getitem__, params)))
-        skip.release_locals(frame, names)  # the snapshot would keep the caller's locals alive
+        # The caller's names the body uses, read in place (the frame mechanism leaves no
+        # f_locals snapshot, which would keep the caller's locals alive), in block.names
+        # order: so they are the body function's parameters as they are.
+        namespace = _bind(frame, block.names)
+        params = tuple(namespace)
     else:
         params = None
     globals_ = frame.f_globals if frame is not None else None
@@ -200,4 +216,3 @@ def defer(tracer, namespace=None, state=None) -> DeferredBody:
         if state is None:  # `tracer.trace_state()`, inlined (once per trace)
             state = tracer._state = TraceState(tracer._parent)
     return DeferredBody(tracer, namespace, globals_, state, params)
-

@@ -51,7 +51,6 @@ from . import blocks, skip
 from .backend import Backend
 from .block import LOCALS_PARAM, Block, make_function
 from .blocks import BLOCKS
-from .deferred import DeferredBody
 from .deferred import defer as _defer
 from .save import _CURRENT, TraceState
 from .save import enter_body as _enter_body
@@ -237,35 +236,15 @@ class Tracer(_frames.TracerBase):
             skip.release_locals(frame, names)  # the snapshot would keep the caller's locals alive
         return block.function_code(params, self, frame=frame)
 
-    def defer(self, namespace=None, *, state=None) -> DeferredBody:
-        """A handle to run the body later, anywhere: `run()`, `push()`, `locals_at()`,
-        `paused_values()` (see `interlace.tracing.deferred`). Call it in the backend, while
-        `__exit__` runs: the caller's names the body uses are bound now (a loop variable
-        keeps this iteration's value).
-
-        `namespace`: bind these names instead (required on a tracer rebuilt from a pickle,
-        which has no caller; it then serves as the globals too). `state`: the `TraceState`
-        the body saves into (default: this trace's; a fresh `TraceState(None)` makes a run
-        behave as its own top-level trace).
-        """
-        return _defer(self, namespace, state)
+    # defer(self, namespace=None, *, state=None) -> DeferredBody: see its docstring.
+    defer = _defer
 
     def push_result(self, values: dict) -> None:
         """Write the body's results into the caller: all of them when nested, else the saved."""
-        names = self.block.assigned_names
         state = self._state or self.trace_state()
-        out = {}  # loops, not comprehensions: no extra Python frame per trace on 3.10/3.11
-        if state.depth:
-            for name in names:
-                if name in values:
-                    out[name] = values[name]
-        else:
-            saved = state.saved
-            for name in names:
-                if name in values and id(values[name]) in saved:
-                    out[name] = values[name]
+        out = _pick(values, self.block.assigned_names, None if state.depth else state.saved)
         if out and self._frame is not None:
-            skip.write_back(self._frame, out)
+            _write_back(self._frame, out)  # skip.write_back's mechanism, called directly
 
     # -- steps a subclass may override ----------------------------------------------------
     def capture(self, frame=None) -> Block:
@@ -440,6 +419,8 @@ _site = _frames.site
 _user_frame = _frames.user_frame
 _arm = _frames.arm
 _disarm = _frames.disarm
+_write_back = _frames.write_back
+_pick = _frames.pick
 _make_function = make_function
 _LOCALS_PARAM = LOCALS_PARAM
 
