@@ -7,9 +7,10 @@ values it saved. Built on the tracer core's deferred-body API (`Tracer.defer`):
 
 - `caller_namespace(tracer)`: the caller's names the body uses, bound once per sweep as the
   block exits; every item starts from that snapshot;
-- `ItemBody`: each item runs `tracer.defer(namespace, state=TraceState(None))`, a body of
-  its own with a save state of its own (on a Ray worker too, where the tracer was rebuilt
-  from a pickle and the namespace carries the globals the body reads).
+- `ItemBody`: each item runs the sweep's one `tracer.defer(namespace)` (`Job.body`, made by
+  the first item) with a save state of its own, `TraceState(None)` (on a Ray worker too,
+  where the tracer was rebuilt from a pickle and the namespace carries the globals the body
+  reads). Every run starts from the same namespace, so the items of a batch share it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ class ItemBody:
         raise StopSignal()
 
     def __call__(self):
-        body = self.job.tracer.defer(self.job.namespace, state=TraceState(None))
+        job = self.job
+        body = job.body
+        if body is None:  # one deferred body per sweep: items differ only in their save state
+            body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
+        # `run` enters the state it finds; `results` reads it after the other items of the
+        # batch have run theirs, so it is set again there.
+        state = body.state = TraceState(None)
         values = None
         try:
             values = body.run()
@@ -67,6 +74,7 @@ class ItemBody:
             raise
         finally:
             if values is not None:
+                body.state = state
                 self.saved = body.results(values)
 
 
