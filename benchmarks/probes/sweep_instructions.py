@@ -32,11 +32,12 @@ FLOOR = 1_028_155  # instructions per item of the floor (tiny GPT-2, x86-64, tor
 def inside(folder, tree, floor):
     import ctypes
 
-    sys.path.insert(0, os.path.join(tree, "src"))
     sys.path.insert(0, ROOT)  # this checkout's benchmarks (sweep.py's pieces)
     import torch
 
     from benchmarks.probes import sweep as P
+
+    assert P.interlace.__file__.startswith(os.path.join(tree, "src")), P.interlace.__file__
 
     marks = ctypes.CDLL(os.path.join(folder, "libmarks.so"))
     torch.set_num_threads(1)
@@ -87,7 +88,9 @@ def count(tree, floor):
                    os.path.abspath(__file__), "--inside", folder, "--tree", tree]
         if floor:
             command.append("--floor")
-        done = subprocess.run(command, capture_output=True, text=True)
+        # benchmarks/__init__.py puts INTERLACE_BENCH_SRC first on sys.path (the tree's src/)
+        env = {**os.environ, "INTERLACE_BENCH_SRC": os.path.join(tree, "src")}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode:
             return done.stderr[-3000:]
         counts = dumps(folder)
