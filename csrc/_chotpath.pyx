@@ -664,3 +664,19 @@ cdef class Tap:
     def __getattr__(self, name):
         # `module.forward.__func__`, `.__self__`, `.__name__`... as the wrapped forward has them
         return getattr(self.original, name)
+
+
+# ---- call_below (h-sweep: a new worker greenlet's stack starts deep; see _chotpath_impl.c) ----
+
+cdef extern from "_chotpath_impl.h":
+    object ilh_call_below(Py_ssize_t depth, object fn)
+
+
+def call_below(Py_ssize_t depth, fn):
+    """Return fn(), called with `depth` bytes of this thread's C stack reserved below the
+    caller (where the stack has room to spare for it; else a plain call). A greenlet first
+    switched to inside starts that much deeper, below a model's forward that later resumes
+    it, so that switching to it copies none of the forward's stack (mediator.py)."""
+    return ilh_call_below(depth, fn)
+
+# ---- end of call_below ----

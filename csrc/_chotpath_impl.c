@@ -83,3 +83,63 @@ ilh_outermost(PyObject *fn)
 {
     return ilh_trampoline(call_noargs, fn);
 }
+
+/* ---- ilh_call_below (h-sweep) ---------------------------------------------------------------
+ * A greenlet's C stack starts where it is first switched to. When the side that resumes it
+ * later runs deeper than that (a model's forward calls the hook that switches to a body
+ * started before the forward began), greenlet copies the part of the resumer's stack that
+ * overlaps the greenlet's to the heap and back, on every switch pair: the larger part of a
+ * switch's cost. A worker first switched to inside ilh_call_below starts `depth` bytes below
+ * its creator, under the model side's stack, so that nothing of the model's stack is copied.
+ * Only where the thread's stack has room for twice `depth` and a margin (its bounds from
+ * pthread_getattr_np, once per thread); elsewhere a plain call.
+ */
+#if defined(__linux__)
+#include <alloca.h>
+#include <pthread.h>
+
+static __thread char *ilh_stack_low;  /* lowest address of this thread's stack, once known */
+static __thread int ilh_stack_known;
+
+static char *
+stack_low(void)
+{
+    if (!ilh_stack_known) {
+        pthread_attr_t attr;
+        void *addr = NULL;
+        size_t size = 0;
+        ilh_stack_known = 1;
+        if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+            if (pthread_attr_getstack(&attr, &addr, &size) == 0)
+                ilh_stack_low = (char *)addr;
+            pthread_attr_destroy(&attr);
+        }
+    }
+    return ilh_stack_low;
+}
+
+PyObject *
+ilh_call_below(Py_ssize_t depth, PyObject *fn)
+{
+    char here;
+    char *low = stack_low();
+    if (depth > 0 && low != NULL && &here > low
+            && (size_t)(&here - low) > 2 * (size_t)depth + ((size_t)1 << 16)) {
+        volatile char *reserved = alloca((size_t)depth);
+        PyObject *result;
+        reserved[0] = 0;
+        result = PyObject_CallNoArgs(fn);
+        __asm__ volatile("" : : "r"(reserved) : "memory");  /* kept until fn returned */
+        return result;
+    }
+    return PyObject_CallNoArgs(fn);
+}
+#else
+PyObject *
+ilh_call_below(Py_ssize_t depth, PyObject *fn)
+{
+    (void)depth;
+    return PyObject_CallNoArgs(fn);
+}
+#endif
+/* ---- end of ilh_call_below ---- */

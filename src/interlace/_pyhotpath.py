@@ -591,3 +591,9 @@ class Tap:
         if name in Tap.__slots__:  # not set yet: no recursion through `self.original`
             raise AttributeError(name)
         return getattr(self.original, name)
+
+
+def call_below(depth, fn):
+    """Return fn(): the compiled twin reserves `depth` bytes of C stack below the caller
+    first (a greenlet started there runs below a forward that resumes it; mediator.py)."""
+    return fn()

@@ -141,3 +141,40 @@ def test_torch_errors_on_a_reused_worker_made_inside_a_trace_body_do_not_crash(t
                           env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["200", "200"]
+
+
+def test_call_below_calls_fn_once_and_passes_its_result_and_errors_on():
+    """`hotpath.call_below` (new workers start below a forward that resumes them, natively):
+    fn's result and errors pass through, and a depth the thread's stack has no room for is
+    a plain call, not a crash."""
+    from interlace._native import hotpath
+
+    calls = []
+    for depth in (0, 4096, mediator._BELOW, 1 << 40):
+        assert hotpath.call_below(depth, lambda: calls.append(depth) or depth) == depth
+    assert calls == [0, 4096, mediator._BELOW, 1 << 40]
+    with pytest.raises(KeyError, match="inside"):
+        hotpath.call_below(mediator._BELOW, lambda: {}["inside"])
+
+
+def test_a_worker_started_below_runs_bodies_of_threads_with_small_stacks(mlp, mlp_model, x6):
+    """A thread whose stack has no room below (threading.stack_size) still makes workers."""
+    import threading
+
+    out = []
+
+    def trace():
+        mediator._pool.idle.clear()
+        with torch.no_grad(), mlp_model.trace(x6):
+            value = mlp_model.output.save()
+        out.append(value)
+
+    old = threading.stack_size(256 * 1024)  # less than twice the depth a worker starts below
+    try:
+        thread = threading.Thread(target=trace)
+        thread.start()
+        thread.join()
+    finally:
+        threading.stack_size(old)
+    with torch.no_grad():
+        assert len(out) == 1 and torch.allclose(out[0], mlp(x6), atol=1e-6)

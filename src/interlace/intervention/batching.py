@@ -247,21 +247,24 @@ def _rows_index(axis, rows):
     return rows if axis == 0 else (slice(None),) * axis + (rows,)
 
 
-def _narrow_leaf(tensor, axis, rows):
+def _narrow_leaf(tensor, axis, rows, mark=True):
     if axis == 0:  # the common case first
         part = tensor[rows]
-        setattr(part, _ORIGIN, (tensor, rows))
+        if mark:
+            setattr(part, _ORIGIN, (tensor, rows))
         return part
     if type(axis) is tuple:
         axis = axis[1]
         part = tensor.narrow(axis, rows.start, 1).squeeze(axis)
     else:
         part = tensor[_rows_index(axis, rows)]
-    setattr(part, _ORIGIN, (tensor, _rows_index(axis, rows)))
+    if mark:
+        setattr(part, _ORIGIN, (tensor, _rows_index(axis, rows)))
     return part
 
 
-def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=None):
+def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=None,
+           mark=True):
     """The part of `value` that belongs to batch rows `rows` (views where possible).
 
     `layout` is the probe's signatures of this location's leaves (see `axis_of`; None: the
@@ -273,6 +276,8 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=N
     it, so `.grad` hooks go on the batch tensor (see `origin`). `axes`: a dict the caller
     keeps for one run whose layouts are fixed, caching a tensor's axis by `(key, shape)` (the
     items of a batch narrow the same value: `axis_of` once per location, not per item).
+    `mark=False`: no `origin` on the parts (a run without `with loss.backward():` never asks;
+    setting an attribute on a tensor costs about as much as the view).
     """
 
     if isinstance(value, torch.Tensor):  # the common case, without the walk
@@ -284,7 +289,7 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=N
             if axis is None:
                 axis = axes[cached] = axis_of(value, layout[0] if layout else None, total, dim)
         if axis == 0 or (type(axis) is int and axis > 0):
-            return _narrow_leaf(value, axis, rows)
+            return _narrow_leaf(value, axis, rows, mark)
 
     def part(i, tensor):
         axis = axis_of(tensor, layout[i] if layout is not None and i < len(layout) else None,
@@ -298,7 +303,7 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=N
         if axis == REDUCED:
             raise RunAlone(None, f"reduced over the batch (shape {tuple(tensor.shape)}: no "
                                  f"batch dimension, but computed from every item)")
-        return _narrow_leaf(tensor, axis, rows)
+        return _narrow_leaf(tensor, axis, rows, mark)
 
     return map_leaves(value, part)
 

@@ -25,6 +25,7 @@ import threading
 import warnings
 
 from greenlet import getcurrent
+from torch import Tensor
 
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
@@ -570,8 +571,16 @@ class Interleaver(hotpath.Exchange):
         if mediator is None or mediator.worker is not getcurrent():
             mediator = self.mediator(key)  # raises: not called from the running body
         event = self.request(key, mediator)
-        if mediator.rows is None:
+        rows = mediator.rows
+        if rows is None:
             return event.value
+        value = event.value
+        if type(value) is Tensor and not self.backward:
+            # `narrow`'s common case inlined (a sweep item's every read): a tensor whose batch
+            # axis this run has cached as 0, with no `origin` mark (no backward to ask for it)
+            axis = self.axes.get((key, value.shape))
+            if axis == 0:
+                return value[rows]
         return self._part(event, mediator, key)
 
     def _part(self, event, mediator, key):
@@ -583,7 +592,7 @@ class Interleaver(hotpath.Exchange):
             # the axes are cached per run, except while the first batched run learns them
             value = narrow(event.value, mediator.rows, self.total,
                            layouts.get(key) if layouts else None, self.dim, shared,
-                           self.axes if self.learner is None else None, key)
+                           self.axes if self.learner is None else None, key, self.backward)
         except RunAlone as signal:
             raise self._alone(signal, key, mediator) from None
         if shared:

@@ -7,12 +7,15 @@ values it saved. Built on the tracer core's deferred-body API (`Tracer.defer`):
 
 - `caller_namespace(tracer)`: the caller's names the body uses, bound once per sweep as the
   block exits; every item starts from that snapshot;
-- `ItemBody`: each item runs `tracer.defer(namespace, state=TraceState(None))`, a body of
-  its own with a save state of its own (on a Ray worker too, where the tracer was rebuilt
-  from a pickle and the namespace carries the globals the body reads).
+- `ItemBody`: each item runs the sweep's one `tracer.defer(namespace)` (`Job.body`, made by
+  the first item) with a save state of its own, `TraceState(None)` (on a Ray worker too,
+  where the tracer was rebuilt from a pickle and the namespace carries the globals the body
+  reads). Every run starts from the same namespace, so the items of a batch share it.
 """
 
 from __future__ import annotations
+
+import weakref
 
 from ..intervention.mediator import ENDED_EARLY, StopSignal
 from ..tracing.save import TraceState
@@ -55,7 +58,13 @@ class ItemBody:
         raise StopSignal()
 
     def __call__(self):
-        body = self.job.tracer.defer(self.job.namespace, state=TraceState(None))
+        job = self.job
+        body = job.body
+        if body is None:  # one deferred body per sweep: items differ only in their save state
+            body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
+        # `run` enters the state it finds; `results` reads it after the other items of the
+        # batch have run theirs, so it is set again there.
+        state = body.state = TraceState(None)
         values = None
         try:
             values = body.run()
@@ -67,6 +76,7 @@ class ItemBody:
             raise
         finally:
             if values is not None:
+                body.state = state
                 self.saved = body.results(values)
 
 
@@ -111,10 +121,22 @@ def caller_namespace(tracer):
     return tracer.defer().namespace
 
 
+_SAVED_NAMES = weakref.WeakKeyDictionary()  # Block -> saved_names(block): goes with the Block
+
+
 def saved_names(block):
     """The names the body saves, as its source shows them, in source order: a name assigned
     a `.save()` / `save(...)` call, or one whose `.save()` the body calls (`x.save()`,
-    `interlace.save(x)`). What a sweep binds even when no item saved them (zero items)."""
+    `interlace.save(x)`). What a sweep binds even when no item saved them (zero items).
+    Cached per block: the walk of its syntax tree is about 170 Python calls (tiny GPT-2's
+    sweep probe), every sweep again without the cache."""
+    names = _SAVED_NAMES.get(block)
+    if names is None:
+        names = _SAVED_NAMES[block] = _find_saved_names(block)
+    return list(names)
+
+
+def _find_saved_names(block):
     import ast  # (the block's capture parsed its source already)
 
     found = {}

@@ -154,7 +154,10 @@ def compact(value):
     if type(value) is dict and len(value) < 4096:  # (every item's saved names: one pass)
         out = None
         for k, v in value.items():
-            c = compact(v)
+            if type(v) is torch.Tensor:  # the common case, without a call
+                c = v.clone() if v._base is not None and _pins_more(v) else v
+            else:
+                c = compact(v)
             if c is not v:
                 if out is None:
                     out = dict(value)

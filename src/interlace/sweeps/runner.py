@@ -66,6 +66,7 @@ class Job:
         self.generate = generate
         self.eos = tuple(eos)
         self.store = store  # with save_to=: the folder (store.py)
+        self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
 
     def entry(self, model, index, item, keys=None):
         """The item with its inputs and batch key (`keys` caches keys by input identity)."""
