@@ -561,8 +561,8 @@ class Interleaver(hotpath.Exchange):
             )
         if occ < passed:
             raise OutOfOrderError(self._passed_message(key, occ, passed, event))
-        if key not in self.handles:
-            hooks.install(self, key)
+        if key not in self.handles and not self.tapper.install(self, key, self.root_call):
+            hooks.install(self, key)  # (the compiled tapper's common case failed: the policy)
         self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
         return mediator.event
 
