@@ -26,7 +26,7 @@ batch by batch, so memory stays flat and a crash loses at most the batch in flig
 from __future__ import annotations
 
 import dataclasses
-import glob
+import fnmatch
 import hashlib
 import json
 import operator
@@ -477,10 +477,17 @@ class Finished:
 
 
 def _clear(path):
+    names = _listing(path)
     for pattern in ("data-*.arrow", "*.tmp", MANIFEST + "*.jsonl", HEADER, "state.json",
                     "dataset_info.json"):
-        for file in glob.glob(os.path.join(glob.escape(path), pattern)):
-            os.remove(file)
+        for name in fnmatch.filter(names, pattern):
+            os.remove(os.path.join(path, name))
+
+
+def _listing(path):
+    """The folder's file names, hidden ones aside (as glob would): listed once, then filtered
+    by pattern (a glob per pattern lists the folder each time)."""
+    return [name for name in os.listdir(path) if not name.startswith(".")]
 
 
 def _write_json(path, value, sync=True):
@@ -499,27 +506,30 @@ def _write_json(path, value, sync=True):
 
 def read_manifests(path, clean=False):
     """Every shard a manifest line names and that exists: dicts with `shard`, `items`
-    ([index, hash] pairs), `bytes`, `columns` (the column types it found).
+    ([index, hash] pairs), `bytes`, `columns` (the column types it found), `names` (its
+    columns; lines written before they named them lack it).
 
     With `clean`, removes what a crash left: temporary files and shards no line names.
     """
     shards = []
-    for manifest in sorted(glob.glob(os.path.join(glob.escape(path), MANIFEST + "*.jsonl"))):
-        with open(manifest) as f:
+    names = _listing(path)
+    present = set(names)
+    for manifest in sorted(fnmatch.filter(names, MANIFEST + "*.jsonl")):
+        with open(os.path.join(path, manifest)) as f:
             for line in f:
                 try:
                     entry = json.loads(line)
                 except ValueError:  # a torn last line: its shard is the batch in flight
                     continue
-                if os.path.exists(os.path.join(path, entry["shard"])):
+                if entry["shard"] in present or os.path.exists(os.path.join(path, entry["shard"])):
                     shards.append(entry)
     if clean:
         named = {entry["shard"] for entry in shards}
-        for file in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
-            os.remove(file)
-        for file in glob.glob(os.path.join(glob.escape(path), "data-*.arrow")):
-            if os.path.basename(file) not in named:
-                os.remove(file)
+        for name in fnmatch.filter(names, "*.tmp"):
+            os.remove(os.path.join(path, name))
+        for name in fnmatch.filter(names, "data-*.arrow"):
+            if name not in named:
+                os.remove(os.path.join(path, name))
     return shards
 
 
