@@ -169,7 +169,6 @@ def _tag(key, text):
     return tag
 
 
-_SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -301,14 +300,13 @@ def _stacked_parts(entries, per_item):
     stacked = []
     for values in columns:
         first = values[0]
-        if (set(map(type, values)) != {torch.Tensor} or len(set(map(_SHAPE, values))) != 1
-                or len(set(map(_DTYPE, values))) != 1 or first.layout != torch.strided
-                or first.is_meta):
+        if (set(map(type, values)) != {torch.Tensor} or len(set(map(_DTYPE, values))) != 1
+                or first.layout != torch.strided or first.is_meta):
             return None
         try:
             with torch.no_grad():
                 data = _raw(torch.stack(values)).reshape(-1)
-        except RuntimeError:  # on several devices
+        except RuntimeError:  # shapes that differ (stack checks them), several devices
             return None
         stacked.append((_tensor_tag(first), memoryview(data.view("uint8")),
                         data.nbytes // len(values)))
