@@ -29,6 +29,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import math
 import operator
 import os
 import types
@@ -780,7 +781,7 @@ def encode(values, kind):
     if shapes is None:
         shape = (len(values),) + tuple(first)
         for level in reversed(range(1, ndim + 1)):
-            count = int(np.prod(shape[:level]))
+            count = math.prod(shape[:level])
             if count * shape[level] >= 2 ** 31:
                 break
             array = pa.ListArray.from_arrays(
@@ -796,7 +797,7 @@ def encode(values, kind):
                 if level == 0:
                     counts.append(np.zeros(1, np.int64))
                 continue
-            counts.append(np.full(int(np.prod(shape[:level])), shape[level], np.int64))
+            counts.append(np.full(math.prod(shape[:level]), shape[level], np.int64))
         counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         if offsets[-1] >= 2 ** 31:
