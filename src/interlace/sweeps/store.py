@@ -9,8 +9,8 @@ batch by batch, so memory stays flat and a crash loses at most the batch in flig
   item: `index`, the item's fields, one column per saved name (tensors as nested lists, so
   per-item shapes may differ; bfloat16 as its raw 16 bits, the dtype in the header);
 - crash safety: a shard is written under a temporary name, synced and renamed; then one line
-  naming it and its items (index and a hash of each item and its inputs) is appended to the
-  writer's manifest `interlace-manifest-<run>.jsonl`. A shard no manifest line names, or a
+  naming it, its columns and its items (index and a hash of each item and its inputs) is
+  appended to the writer's manifest `interlace-manifest-<run>.jsonl`. A shard no line names, or a
   torn last line, is the batch in flight: dropped when the folder is opened again;
 - resume: `interlace-sweep.json` (the header) records what made the rows: the body (its source
   and a hash of the caller's values it reads), the model (class, config, parameter shapes, a
