@@ -11,7 +11,8 @@ output, `(tokens, n_embd)` per row; the first and the last layer), then `state.j
 arrays built from the batch's tensors at once. The sweep adds its manifest (the crash safety
 and resume bookkeeping) and its per-item bodies. `python -m benchmarks --workloads datasets`
 times the same two in the harness (contenders `hooks` and `interlace`, op `collect`).
-Goal (issue 22): the sweep within 1.2x of the hand-written loop.
+Goal (issue 22): the sweep within 1.2x of the hand-written loop. The last columns time the same
+sweep keeping its values in memory: the difference is what writing the folder adds, per row.
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ def _metadata(folder, files):
 
 def sweep(model, first, last, windows, folder, batch=BATCH):
     """The same with `model.sweep(..., save_to=folder)` (any previous folder is cleared):
-    `first` and `last` are the Envoys of the layers saved."""
+    `first` and `last` are the Envoys of the layers saved. `folder=None`: the same sweep with
+    its values kept in memory (what writing adds is the difference)."""
+    store = {} if folder is None else {"save_to": folder, "overwrite": True}
     with torch.no_grad(), model.sweep(windows, input=lambda ids: ids[None], batch_size=batch,
-                                      save_to=folder, overwrite=True, progress=False) as sweep:
+                                      progress=False, **store) as sweep:
         out = first.output
         h0 = (out[0] if isinstance(out, tuple) else out)[0].save()  # noqa: F841 - saved to disk
         out = last.output
@@ -174,29 +177,32 @@ def main(argv=None):
     import interlace
 
     root = tempfile.mkdtemp(prefix="bench-datasets-")
-    print("| model | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s | sweep / hooks |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s | sweep / hooks "
+          "| in memory rows/s | writing, us/row |")
+    print("|---|---|---|---|---|---|---|---|---|")
     try:
         for shape in o.shapes.split(","):
             module = build(shape)
             model = interlace.Model(module)
             ids = windows(module.config.vocab_size, o.items, o.tokens)
-            times = {"sweep": [], "hooks": []}
+            times = {"sweep": [], "hooks": [], "memory": []}
             size = {}
+            first, last = model.transformer.h[0], model.transformer.h[-1]
             for _ in range(o.rounds):
-                for way in ("hooks", "sweep") if _ % 2 else ("sweep", "hooks"):
+                for way in ("hooks", "memory", "sweep") if _ % 2 else ("sweep", "memory", "hooks"):
                     folder = os.path.join(root, way)
                     shutil.rmtree(folder, ignore_errors=True)
                     start = time.perf_counter()
-                    if way == "sweep":
-                        sweep(model, model.transformer.h[0], model.transformer.h[-1], ids, folder)
-                    else:
+                    if way == "hooks":
                         hooks_loop(module, layers(module), ids, folder)
+                    else:
+                        sweep(model, first, last, ids, folder if way == "sweep" else None)
                     times[way].append(time.perf_counter() - start)
-                    size[way] = folder_bytes(folder)
-            s, h = statistics.median(times["sweep"]), statistics.median(times["hooks"])
+                    size[way] = folder_bytes(folder) if way != "memory" else 0
+            s, h, mem = (statistics.median(times[way]) for way in ("sweep", "hooks", "memory"))
             print(f"| {shape} | {o.items} | {o.items / s:,.0f} | {size['sweep'] / s / 1e6:,.1f} | "
-                  f"{o.items / h:,.0f} | {size['hooks'] / h / 1e6:,.1f} | {s / h:.2f}x |", flush=True)
+                  f"{o.items / h:,.0f} | {size['hooks'] / h / 1e6:,.1f} | {s / h:.2f}x | "
+                  f"{o.items / mem:,.0f} | {(s - mem) / o.items * 1e6:.1f} |", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -311,3 +311,55 @@ def test_batches_of_mixed_values_are_stored_as_in_memory(model, tmp_path, corrup
     assert [type(f) for f in disk["flag"]] == [bool] * 10  # an int in a float column: a float
     table = datasets.load_from_disk(str(tmp_path / "m"))
     assert list(table["tag"]) == [repr([i]) for i in range(10)]
+
+
+def test_a_shards_schema_in_its_manifest_line_is_the_files(model, tmp_path, corrupt):
+    """A sweep's end takes each shard's schema from its manifest line (its column names, the
+    column types known when it was written) instead of reading every file: that schema must be
+    the file's, for every kind of column; a shard written while a column was all None, and a
+    folder whose manifest lines do not name their columns (written before they did), are read
+    from the files and still open with `datasets` as the in-memory sweep holds them."""
+    from interlace.sweeps.store import MANIFEST, _schema, _schema_of, read_manifests
+
+    items = [{"i": i, "name": f"n{i}"} for i in range(9)]
+
+    def run(folder=None):
+        with torch.no_grad(), model.sweep(items, input=corrupt, batch_size=3, progress=False,
+                                          **({"save_to": folder} if folder else {})) as sweep:
+            i = sweep.item["i"]
+            h = model.transformer.h[0].output
+            grid = h[0, :2].save()                                  # float32, 2 dimensions
+            cube = h[:, :2, :3].to(torch.bfloat16).save()           # bfloat16, 3 dimensions
+            top = h[0, -1].argmax().save()                          # int64, 0 dimensions
+            mask = (h[0, -1] > 0).save()                            # bool, 1 dimension
+            count = (i * 2 + 100).save()  # not 0: saving an int marks the object (i is 0 too)
+            score = (i + 0.5).save()
+            word = str(i).save()
+            flag = (i > 4).save()
+            if i >= 3:
+                late = h[0, 0].save()  # all None in the first shard: typed by a rewrite
+        return sweep.results
+
+    mem, disk = run(), run(tmp_path / "s")
+    shards = read_manifests(str(tmp_path / "s"))
+    with open(tmp_path / "s" / "interlace-sweep.json") as f:
+        columns = json.load(f)["columns"]
+    assert len(shards) == 3 and all("names" in entry for entry in shards)
+    for entry in shards:
+        assert _schema_of(entry["names"], columns).equals(
+            _schema(str(tmp_path / "s" / entry["shard"])), check_metadata=False), entry["shard"]
+
+    def same(results):
+        for name in ("grid", "cube", "top", "mask", "count", "score", "word", "flag", "late"):
+            for x, y in zip(mem[name], results[name], strict=True):
+                assert (x is None and y is None) or (
+                    torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), (name, x, y)
+
+    same(disk)
+    for manifest in (tmp_path / "s").glob(MANIFEST + "*"):  # as written before lines had names
+        lines = [json.loads(line) for line in manifest.read_text().splitlines()]
+        manifest.write_text("".join(json.dumps({k: v for k, v in line.items() if k != "names"})
+                                    + "\n" for line in lines))
+    same(run(tmp_path / "s"))  # resumed: nothing to run, every shard's schema read from its file
+    table = datasets.load_from_disk(str(tmp_path / "s"))
+    assert list(table["index"]) == list(range(9)) and list(table["count"]) == [2 * i + 100 for i in range(9)]

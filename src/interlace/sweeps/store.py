@@ -9,8 +9,8 @@ batch by batch, so memory stays flat and a crash loses at most the batch in flig
   item: `index`, the item's fields, one column per saved name (tensors as nested lists, so
   per-item shapes may differ; bfloat16 as its raw 16 bits, the dtype in the header);
 - crash safety: a shard is written under a temporary name, synced and renamed; then one line
-  naming it and its items (index and a hash of each item and its inputs) is appended to the
-  writer's manifest `interlace-manifest-<run>.jsonl`. A shard no manifest line names, or a
+  naming it, its columns and its items (index and a hash of each item and its inputs) is
+  appended to the writer's manifest `interlace-manifest-<run>.jsonl`. A shard no line names, or a
   torn last line, is the batch in flight: dropped when the folder is opened again;
 - resume: `interlace-sweep.json` (the header) records what made the rows: the body (its source
   and a hash of the caller's values it reads), the model (class, config, parameter shapes, a
@@ -26,9 +26,10 @@ batch by batch, so memory stays flat and a crash loses at most the batch in flig
 from __future__ import annotations
 
 import dataclasses
-import glob
+import fnmatch
 import hashlib
 import json
+import math
 import operator
 import os
 import types
@@ -169,7 +170,6 @@ def _tag(key, text):
     return tag
 
 
-_SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -203,17 +203,31 @@ def model_header(model):
     if config is not None and hasattr(config, "to_dict"):
         config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
         config = json.dumps(config, sort_keys=True, default=repr)
-    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    shapes = []
     sample = hashlib.blake2b(digest_size=16)
     with torch.no_grad():
-        for _, p in module.named_parameters():
+        for name, p in module.named_parameters():
+            shapes.append((name, tuple(p.shape), str(p.dtype)))
             flat = p.detach().reshape(-1)
             if flat.numel() and flat.device.type != "meta":
-                picks = torch.linspace(0, flat.numel() - 1, min(64, flat.numel())).long()
-                sample.update(_raw(flat[picks.to(flat.device)]).tobytes())
+                sample.update(_raw(flat[_picks(flat.numel(), flat.device)]).tobytes())
     return {"class": f"{type(module).__module__}.{type(module).__qualname__}",
             "config": digest(config), "parameter shapes": digest(shapes),
             "weights": sample.hexdigest()}
+
+
+def _picks(numel, device):
+    """The positions of the (at most 64) weights sampled from a parameter of `numel`."""
+    picks = _PICKS.get((numel, device))
+    if picks is None:
+        if len(_PICKS) > 4096:
+            _PICKS.clear()
+        picks = _PICKS[numel, device] = torch.linspace(
+            0, numel - 1, min(64, numel)).long().to(device)
+    return picks
+
+
+_PICKS = {}  # (numel, device) -> positions: a model's parameters share a few sizes
 
 
 def make_header(tracer, job):
@@ -287,14 +301,13 @@ def _stacked_parts(entries, per_item):
     stacked = []
     for values in columns:
         first = values[0]
-        if (set(map(type, values)) != {torch.Tensor} or len(set(map(_SHAPE, values))) != 1
-                or len(set(map(_DTYPE, values))) != 1 or first.layout != torch.strided
-                or first.is_meta):
+        if (set(map(type, values)) != {torch.Tensor} or len(set(map(_DTYPE, values))) != 1
+                or first.layout != torch.strided or first.is_meta):
             return None
         try:
             with torch.no_grad():
                 data = _raw(torch.stack(values)).reshape(-1)
-        except RuntimeError:  # on several devices
+        except RuntimeError:  # shapes that differ (stack checks them), several devices
             return None
         stacked.append((_tensor_tag(first), memoryview(data.view("uint8")),
                         data.nbytes // len(values)))
@@ -463,10 +476,17 @@ class Finished:
 
 
 def _clear(path):
+    names = _listing(path)
     for pattern in ("data-*.arrow", "*.tmp", MANIFEST + "*.jsonl", HEADER, "state.json",
                     "dataset_info.json"):
-        for file in glob.glob(os.path.join(glob.escape(path), pattern)):
-            os.remove(file)
+        for name in fnmatch.filter(names, pattern):
+            os.remove(os.path.join(path, name))
+
+
+def _listing(path):
+    """The folder's file names, hidden ones aside (as glob would): listed once, then filtered
+    by pattern (a glob per pattern lists the folder each time)."""
+    return [name for name in os.listdir(path) if not name.startswith(".")]
 
 
 def _write_json(path, value, sync=True):
@@ -474,8 +494,9 @@ def _write_json(path, value, sync=True):
     (the header: without it the folder is not a sweep's), else the metadata a sweep's end
     writes again."""
     tmp = f"{path}.{os.getpid()}.tmp"
+    text = json.dumps(value, sort_keys=True)  # one line: json's C encoder (indent= is Python)
     with open(tmp, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
+        f.write(text)
         if sync:
             f.flush()
             os.fsync(f.fileno())
@@ -484,27 +505,30 @@ def _write_json(path, value, sync=True):
 
 def read_manifests(path, clean=False):
     """Every shard a manifest line names and that exists: dicts with `shard`, `items`
-    ([index, hash] pairs), `bytes`, `columns` (the column types it found).
+    ([index, hash] pairs), `bytes`, `columns` (the column types it found), `names` (its
+    columns; lines written before they named them lack it).
 
     With `clean`, removes what a crash left: temporary files and shards no line names.
     """
     shards = []
-    for manifest in sorted(glob.glob(os.path.join(glob.escape(path), MANIFEST + "*.jsonl"))):
-        with open(manifest) as f:
+    names = _listing(path)
+    present = set(names)
+    for manifest in sorted(fnmatch.filter(names, MANIFEST + "*.jsonl")):
+        with open(os.path.join(path, manifest)) as f:
             for line in f:
                 try:
                     entry = json.loads(line)
                 except ValueError:  # a torn last line: its shard is the batch in flight
                     continue
-                if os.path.exists(os.path.join(path, entry["shard"])):
+                if entry["shard"] in present or os.path.exists(os.path.join(path, entry["shard"])):
                     shards.append(entry)
     if clean:
         named = {entry["shard"] for entry in shards}
-        for file in glob.glob(os.path.join(glob.escape(path), "*.tmp")):
-            os.remove(file)
-        for file in glob.glob(os.path.join(glob.escape(path), "data-*.arrow")):
-            if os.path.basename(file) not in named:
-                os.remove(file)
+        for name in fnmatch.filter(names, "*.tmp"):
+            os.remove(os.path.join(path, name))
+        for name in fnmatch.filter(names, "data-*.arrow"):
+            if name not in named:
+                os.remove(os.path.join(path, name))
     return shards
 
 
@@ -554,7 +578,7 @@ class Sink:
         nbytes = os.path.getsize(final)
         kinds = {c: self.columns[c] for c in table.column_names if c in self.columns}
         line = json.dumps({"shard": shard, "items": [[r[0], h] for r, h in zip(rows, hashes)],
-                           "bytes": nbytes, "columns": kinds,
+                           "bytes": nbytes, "columns": kinds, "names": table.column_names,
                            "fields": self.header["fields"]}) + "\n"
         # not synced: a line lost to a power cut only makes its items run again (the shard it
         # names was synced before the line was written, so a line never names a partial shard)
@@ -601,7 +625,11 @@ class Sink:
     def field_values(rows, fields):
         """Each field's values, one per row (None where an item lacks the field)."""
         items = [r[1] for r in rows]
-        if fields == ["item"] and set(map(type, items)).issubset(_ONE_FIELD):
+        found = set(map(type, items))
+        if fields == ["item"] and found.issubset(_ONE_FIELD):
+            if torch.Tensor not in found or found == {torch.Tensor} and 1 not in set(
+                    map(torch.Tensor.numel, items)):  # what item_fields keeps as it is
+                return [items]
             return [[item_fields(item)["item"] for item in items]]
         known = set(fields)
         per_row = [item_fields(item) for item in items]
@@ -619,7 +647,9 @@ class Sink:
         value's (`kind_of`); the others are checked against it at once where they all have its
         exact type (the usual case), else one by one."""
         kind = self.columns.get(column)
-        if kind is not None and _all_of(values, kind):
+        alike = kind or _first_kind(values)  # a new column's type: its first value's
+        if alike is not None and _all_of(values, alike):
+            kind = self.columns[column] = alike
             return encode(values, kind)
         for position, value in enumerate(values):
             if value is None:
@@ -645,6 +675,11 @@ class Sink:
 
 _ONE_FIELD = frozenset((torch.Tensor, int, float, str, bool))  # items that are their one field
 _PYTHON = {"bool": bool, "int": int, "float": float, "str": str}
+def _first_kind(values):
+    first = next((v for v in values if v is not None), None)
+    return None if first is None else kind_of(first)
+
+
 def _all_of(values, kind):
     """Is every value None or exactly of column type `kind`? (No Python code per value.)"""
     found = set(map(type, values))
@@ -746,7 +781,7 @@ def encode(values, kind):
     if shapes is None:
         shape = (len(values),) + tuple(first)
         for level in reversed(range(1, ndim + 1)):
-            count = int(np.prod(shape[:level]))
+            count = math.prod(shape[:level])
             if count * shape[level] >= 2 ** 31:
                 break
             array = pa.ListArray.from_arrays(
@@ -762,7 +797,7 @@ def encode(values, kind):
                 if level == 0:
                     counts.append(np.zeros(1, np.int64))
                 continue
-            counts.append(np.full(int(np.prod(shape[:level])), shape[level], np.int64))
+            counts.append(np.full(math.prod(shape[:level]), shape[level], np.int64))
         counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         if offsets[-1] >= 2 ** 31:
@@ -787,7 +822,7 @@ def finalize(path, header):
     import pyarrow as pa
 
     shards = read_manifests(path)
-    shards.sort(key=lambda s: min((i for i, _ in s["items"]), default=0))
+    shards.sort(key=lambda s: min(s["items"], default=(0,))[0])  # [index, hash] pairs
     columns = header["columns"]
     for entry in shards:
         if header.get("fields") is None and entry.get("fields") is not None:
@@ -800,14 +835,21 @@ def finalize(path, header):
                     f"{entry['shard']} but {describe_kind(columns[column])} in others; save "
                     f"values of one dtype and number of dimensions under one name"
                 )
-    schemas = [(entry["shard"], _schema(os.path.join(path, entry["shard"]))) for entry in shards]
-    final = None
-    for shard, schema in schemas:
-        wanted = pa.schema([pa.field(f.name, f.type if f.name == INDEX else arrow_type(columns.get(f.name)))
-                            for f in schema])
-        if not wanted.equals(schema, check_metadata=False):
-            _rewrite(os.path.join(path, shard), wanted)  # written while a column was all None
-        if final is not None and not final.equals(wanted, check_metadata=False):
+    final, known = None, {}  # known: the schema of the shards with these column names
+    for entry in shards:
+        shard, names, kinds = entry["shard"], entry.get("names"), entry.get("columns", {})
+        if names is not None and all(name == INDEX or name in kinds for name in names):
+            # written when every column's type was known: with these types (`Sink.column`)
+            wanted = known.get(tuple(names))
+            if wanted is None:
+                wanted = known[tuple(names)] = _schema_of(names, columns)
+        else:  # written before the manifest named the columns, or while one was all None
+            schema = _schema(os.path.join(path, shard))
+            wanted = _schema_of(schema.names, columns)
+            if not wanted.equals(schema, check_metadata=False):
+                _rewrite(os.path.join(path, shard), wanted)
+        if final is not None and wanted is not final and not final.equals(
+                wanted, check_metadata=False):
             raise InterlaceError(
                 f"save_to={path!r}: shard {shard} has the columns {wanted.names} but others "
                 f"have {final.names}; give every item the same fields"
@@ -815,9 +857,9 @@ def finalize(path, header):
         final = wanted
     header_path = os.path.join(path, HEADER)
     _write_json(header_path, header, sync=False)
-    state = {"_data_files": [{"filename": shard} for shard, _ in schemas],
+    state = {"_data_files": [{"filename": entry["shard"]} for entry in shards],
              "_fingerprint": hashlib.blake2b(
-                 "".join(s for s, _ in schemas).encode(), digest_size=8).hexdigest(),
+                 "".join(entry["shard"] for entry in shards).encode(), digest_size=8).hexdigest(),
              "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
              "_output_all_columns": False, "_split": None}
     if final is None:
@@ -832,6 +874,14 @@ def finalize(path, header):
                            f"in {HEADER}; read it back with interlace.open_sweep(path)"}
     _write_json(os.path.join(path, "dataset_info.json"), info, sync=False)
     _write_json(os.path.join(path, "state.json"), state, sync=False)
+
+
+def _schema_of(names, columns):
+    """The schema of a shard with these columns, each of its type in the header."""
+    import pyarrow as pa
+
+    return pa.schema([pa.field(name, pa.int64() if name == INDEX else arrow_type(columns.get(name)))
+                      for name in names])
 
 
 def _schema(file):
