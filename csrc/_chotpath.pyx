@@ -569,7 +569,9 @@ cdef class Taps:
         self.tap(run, key, index)
         return True
 
-    cdef tap(self, Exchange run, Py_ssize_t key, Py_ssize_t index):
+    cpdef tap(self, Exchange run, Py_ssize_t key, Py_ssize_t index):
+        """Fire `key`'s events from module `index`'s Tap, set on it now unless this run has
+        one there already (Python checked that the module may have one)."""
         cdef dict instance
         cdef Tap tap
         run.hub.observe(key)

@@ -115,6 +115,18 @@ class MinimalEnvoy:
         return self._engine.wait(self._module)
 
 
+def saved_by_hook(module, block, *args):
+    """`block`'s output in `module(*args)`, taken by a plain forward hook registered and
+    removed around the call (the reference every probe compares with)."""
+    kept = []
+    handle = block.register_forward_hook(lambda m, a, o: kept.append(o))
+    try:
+        module(*args)
+    finally:
+        handle.remove()
+    return kept[0]
+
+
 def setup():
     """The model, its inputs and the four ways of tracing it: name -> zero-argument callable."""
     import torch
@@ -158,13 +170,7 @@ def setup():
         return out
 
     def hooks():
-        kept = []
-        handle = block.register_forward_hook(lambda m, a, o: kept.append(o))
-        try:
-            module(ids)
-        finally:
-            handle.remove()
-        return kept[0]
+        return saved_by_hook(module, block, ids)
 
     def prototype():
         return tap.run([block], lambda: tap.wait(block), lambda: module(ids))

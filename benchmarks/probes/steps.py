@@ -161,14 +161,10 @@ def inside(folder, traces):
     def raw():
         return module(ids)
 
+    from benchmarks.probes.engine_floor import saved_by_hook
+
     def hooks():
-        kept = []
-        handle = block.register_forward_hook(lambda m, a, o: kept.append(o))
-        try:
-            module(ids)
-        finally:
-            handle.remove()
-        return kept
+        return saved_by_hook(module, block, ids)
 
     from benchmarks.prototype import Tap
 

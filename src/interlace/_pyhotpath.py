@@ -499,11 +499,13 @@ class Taps:
             return False
         for ancestor in chain:
             if 2 * ancestor not in handles and not (ancestor == 0 and root_call):
-                self._tap(run, 2 * ancestor, ancestor)
-        self._tap(run, key, index)
+                self.tap(run, 2 * ancestor, ancestor)
+        self.tap(run, key, index)
         return True
 
-    def _tap(self, run, key, index):
+    def tap(self, run, key, index):
+        """Fire `key`'s events from module `index`'s Tap, set on it now unless this run has
+        one there already (Python checked that the module may have one)."""
         run.hub.observe(key)
         tap = self.taps.get(index)
         if tap is None:

@@ -93,9 +93,7 @@ def install(run, key):
 def _hook(run, key, index):
     """Fire `key`'s events for `run`: from module `index`'s Tap (installed here, once per run),
     or from a torch hook when the module cannot have one (`_tappable`)."""
-    run.hub.observe(key)
-    tap = run.taps.get(index)
-    if tap is None:
+    if index not in run.taps:
         state = run.state
         module = state.modules[index]
         module_dict = module.__dict__
@@ -103,6 +101,7 @@ def _hook(run, key, index):
         if current is not state.forwards[index]:
             check_forward(run, index, module)
         if not _tappable(module_dict, type(module)):
+            run.hub.observe(key)
             if key & 1:
                 run.handles[key] = attach(module, run.post_hook(key), False)
             else:
@@ -110,16 +109,9 @@ def _hook(run, key, index):
             return
         if current is state.forwards[index]:
             run.tapper.know(index, type(module))  # next time `Taps.install` taps it alone
-        # the Tap wraps whatever forward the module has now (an accelerate or user wrapper)
-        tap = hotpath.Tap(run, module.forward if current is None else current)
-        run.taps[index] = tap
-        run.tapped[index] = (module_dict, _MISSING if current is None else current)
-        module_dict["forward"] = tap
-    if key & 1:
-        tap.post = key
-    else:
-        tap.pre = key
-    run.handles[key] = None  # nothing to detach: the tap goes as a whole (`remove`)
+    # The Tap (made once per run) wraps whatever forward the module has now (an accelerate or
+    # user wrapper); nothing to detach per key: the tap goes as a whole (`remove`).
+    run.tapper.tap(run, key, index)
 
 
 # Set on the forwards a run installs itself (a skip's override, `.source`'s rewritten copy).
