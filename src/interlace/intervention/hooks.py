@@ -69,8 +69,14 @@ def detach(token):
 
 def install(run, key):
     """Hook location `key` for `run` (once): a pre-hook for an input, a forward hook for an output."""
-    if run.tapper.install(run, key, run.root_call):
-        return  # the common case, compiled: every module on the way plain (hotpath.Taps)
+    # the common case, compiled: every module on the way plain (hotpath.Taps)
+    if not run.tapper.install(run, key, run.root_call):
+        install_by_policy(run, key)
+
+
+def install_by_policy(run, key):
+    """`install` where the compiled tapper's common case does not apply (a module with hooks
+    of its own, global hooks, a replaced forward, a class not checked yet)."""
     handles = run.handles
     state = run.state
     if key in handles or key >= state.result_key or (key < 2 and run.root_call):

@@ -562,7 +562,7 @@ class Interleaver(hotpath.Exchange):
         if occ < passed:
             raise OutOfOrderError(self._passed_message(key, occ, passed, event))
         if key not in self.handles and not self.tapper.install(self, key, self.root_call):
-            hooks.install(self, key)  # (the compiled tapper's common case failed: the policy)
+            hooks.install_by_policy(self, key)  # `hooks.install`, its compiled half done here
         self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
         return mediator.event
 
