@@ -285,14 +285,14 @@ def override_forward(run, index):
     set_forward(module, forward)
 
 
-def remove(run, tokens=None):
-    """Remove every tap, hook and forward override `run` installed (`tokens`: the hook tokens
-    `run.tapper.remove()` returned, when the caller took the taps off already)."""
-    if tokens is None:
-        tokens = run.tapper.remove()  # the taps, and the handles' hook tokens to detach here
-    if tokens:
-        for token in tokens:
-            detach(token)
+def remove(run):
+    """Remove every tap, hook and forward override `run` installed. The taps go in one
+    compiled call, which hands back the torch hooks' tokens to detach here."""
+    if run.handles:
+        tokens = run.tapper.remove()
+        if tokens:
+            for token in tokens:
+                detach(token)
     if run.overrides:
         for module, previous in run.overrides.values():
             if module is None:

@@ -401,11 +401,7 @@ class Interleaver(hotpath.Exchange):
         for mediator in self.mediators:
             if not mediator.finished:
                 mediator.cancel()
-        if self.handles:
-            tokens = self.tapper.remove()  # hooks.remove's common case, inline: the taps
-            if tokens or self.overrides:
-                hooks.remove(self, tokens)
-        elif self.overrides:
+        if self.handles or self.overrides:
             hooks.remove(self)
         if self.cleanups:
             cleanups, self.cleanups = self.cleanups, []
