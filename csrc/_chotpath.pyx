@@ -20,6 +20,9 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 
 RELAXED = -1
+POOL_MAX = 64  # idle workers kept per thread (see MediatorCore.release)
+
+cdef class Taps  # defined below; an Exchange keeps its run's
 
 
 @cython.final
@@ -217,6 +220,22 @@ cdef class MediatorCore:
     cdef public object body_grad   # torch grad mode the body had when it last paused
     cdef public bint finished
 
+    def release(self, list pool):
+        """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
+        workers) unless the worker is dead, single-use, or the pool holds POOL_MAX already."""
+        release(self, pool)
+
+
+cdef int release(MediatorCore mediator, list pool) except -1:
+    # MediatorCore.release, non-virtual (the exchange's common end of a body)
+    worker = mediator.worker
+    mediator.worker = None
+    mediator.finished = True
+    if (worker is not None and pool is not None and len(pool) < POOL_MAX
+            and not worker.dead and not worker.single_use):
+        pool.append(worker)
+    return 0
+
 
 @cython.final
 cdef class Event:
@@ -270,13 +289,24 @@ cdef class Exchange:
     cdef public object routed
     cdef public object message
     cdef public object paused
+    cdef public bint done            # the run's model call is over: requests are refused
+    cdef public bint root_call       # the run is one plain call of the root (its events by hand)
+    cdef public Taps tapper          # sets the Taps of requests (None: all go to the policy)
+    cdef public list pool            # set: a body that ends is released to it, no `message`
     cdef bytearray routes            # per key: non-zero sends its events to `routed`
     cdef object is_grad_enabled
     cdef object set_grad_enabled
+    cdef object getcurrent
 
-    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None):
+    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None,
+                 getcurrent=None):
         self.is_grad_enabled = is_grad_enabled
         self.set_grad_enabled = set_grad_enabled
+        self.getcurrent = getcurrent
+        self.done = False
+        self.root_call = False
+        self.tapper = None
+        self.pool = None
         self.routed = routed
         self.message = message
         self.paused = None
@@ -286,10 +316,15 @@ cdef class Exchange:
         self.bypass = 0
         self.thread = 0
 
-    def begin(self, Hub hub not None, unsigned long thread):
-        """A run starts: its hub, and the thread its model runs in."""
+    def begin(self, Hub hub not None, unsigned long thread, bint root_call=False, list pool=None):
+        """A run starts: its hub, the thread its model runs in, whether it is one plain call
+        of the root, and the idle-worker pool its ended bodies go back to (None: `message`
+        hears of them). `done` is False until the run object says the model call is over."""
         self.hub = hub
         self.thread = thread
+        self.root_call = root_call
+        self.pool = pool
+        self.done = False
         self.current = None
         self.bypass = 0
         self.paused = None
@@ -300,6 +335,7 @@ cdef class Exchange:
         self.hub = None
         self.current = None
         self.paused = None
+        self.pool = None
         self.routes = bytearray()
 
     def route(self, Py_ssize_t key, bint on=True):
@@ -404,8 +440,11 @@ cdef class Exchange:
         for i in range(n):
             mediator = <MediatorCore?>waiters[i]
             message = self.c_resume(mediator, event, None)
-            if message != 1 and self.message is not None:  # 1: PARKED
-                self.message(mediator, message, event)
+            if message != 1:  # 1: PARKED
+                if message == 2 and self.pool is not None:  # 2: DONE, the common end
+                    release(mediator, self.pool)
+                elif self.message is not None:
+                    self.message(mediator, message, event)
             if self.paused is not None:
                 self.paused(mediator, event)
 
@@ -425,6 +464,51 @@ cdef class Exchange:
         if payload is None:
             return None
         return mediator.received(payload)
+
+    def request(self, Py_ssize_t key, mediator=None):
+        """Body side: wait for location `key` at the occurrence `mediator`'s pointer names
+        (default: the running body's); returns the `Event` it is served.
+
+        Mechanism for the common case; the policy is the run object's own methods, called
+        only when needed: `mediator(key)` (no mediator given: the running body's, or the
+        error that says why there is none), `refuse(key, occ, passed, event)` (raises: the
+        run is over, or that occurrence has passed) and `install_by_policy(key)` (when the
+        `tapper` cannot set the Taps itself)."""
+        if mediator is None:
+            mediator = self.mediator(key)
+        return self.c_request(<MediatorCore?>mediator, key)
+
+    cdef object c_request(self, MediatorCore mediator, Py_ssize_t key):
+        cdef Hub hub = self.hub
+        cdef Py_ssize_t passed, occ
+        cdef Pointer pointer = <Pointer?>mediator.pointer
+        if hub is None:
+            raise RuntimeError("Exchange.request() outside a run: call begin(hub, thread) first")
+        event = mediator.event
+        passed = hub.so_far(key)
+        if event is not None and (<Event?>event).key == key:
+            occ = pointer.bind((<Event>event).occ)
+            if (<Event>event).occ == occ:
+                return event
+        else:
+            occ = pointer.bind(passed)
+        if self.done or occ < passed:
+            self.refuse(key, occ, passed, event)  # raises
+        if self.tapper is None or not self.tapper.c_install(self, key, self.root_call):
+            self.install_by_policy(key)
+        self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
+        return mediator.event
+
+    def read(self, Py_ssize_t key):
+        """Body side: the value of location `key` at the bound occurrence, as the running
+        body sees it (its rows of a batch: the run object's `narrowed(event, mediator, key)`)."""
+        cdef MediatorCore mediator = <MediatorCore?>self.current if self.current is not None else None
+        if mediator is None or self.getcurrent is None or mediator.worker is not self.getcurrent():
+            mediator = <MediatorCore?>self.mediator(key)  # raises: not the running body
+        event = self.c_request(mediator, key)
+        if mediator.rows is None:
+            return (<Event?>event).value
+        return self.narrowed(event, mediator, key)
 
     def resume(self, MediatorCore mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
@@ -545,6 +629,9 @@ cdef class Taps:
     def install(self, Exchange run not None, Py_ssize_t key, bint root_call):
         """Hook location `key` for `run` as `hooks.install` would, when every module on the way
         is plain (see the class); True when done or nothing was needed, False when Python must."""
+        return self.c_install(run, key, root_call)
+
+    cdef bint c_install(self, Exchange run, Py_ssize_t key, bint root_call) except -1:
         cdef Py_ssize_t index, ancestor
         cdef dict handles = self.handles
         cdef tuple chain

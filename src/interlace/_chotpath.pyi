@@ -3,6 +3,7 @@
 from typing import Any, Callable, Optional
 
 RELAXED: int
+POOL_MAX: int
 
 class Hub:
     counts: list[int]
@@ -56,6 +57,7 @@ class MediatorCore:
     event: Optional[Event]
     body_grad: Optional[bool]
     finished: bool
+    def release(self, pool: Optional[list]) -> None: ...
 
 class Event:
     key: int
@@ -72,14 +74,19 @@ class Exchange:
     routed: Optional[Callable[[int, int, Any], Any]]
     message: Optional[Callable[[MediatorCore, Any, Event], None]]
     paused: Optional[Callable[[MediatorCore, Event], None]]
+    done: bool
+    root_call: bool
+    tapper: Optional[Taps]
+    pool: Optional[list]
     def __init__(
         self,
         is_grad_enabled: Callable[[], bool],
         set_grad_enabled: Callable[[bool], Any],
         routed: Optional[Callable[[int, int, Any], Any]] = None,
         message: Optional[Callable[[MediatorCore, Any, Event], None]] = None,
+        getcurrent: Optional[Callable[[], Any]] = None,
     ) -> None: ...
-    def begin(self, hub: Hub, thread: int) -> None: ...
+    def begin(self, hub: Hub, thread: int, root_call: bool = False, pool: Optional[list] = None) -> None: ...
     def end(self) -> None: ...
     def route(self, key: int, on: bool = True) -> None: ...
     def grow(
@@ -95,6 +102,8 @@ class Exchange:
     def hook_event(self, key: int, pre: bool, args: Any, third: Any) -> Any: ...
     def serve(self, event: Event, waiters: list[MediatorCore]) -> None: ...
     def wait_for(self, mediator: MediatorCore, key: int, occ: int) -> Any: ...
+    def request(self, key: int, mediator: Optional[MediatorCore] = None) -> Event: ...
+    def read(self, key: int) -> Any: ...
     def resume(self, mediator: MediatorCore, event: Any, payload: Any = None) -> Any: ...
 
 class Hook:

@@ -16,6 +16,7 @@ from _thread import get_ident
 from _functools import partial  # (functools itself costs an import)
 
 RELAXED = -1
+POOL_MAX = 64  # idle workers kept per thread (see MediatorCore.release)
 """`Pointer.iteration` value meaning: bind each request to the next occurrence not yet passed."""
 
 
@@ -192,6 +193,16 @@ class MediatorCore:
         self.body_grad = None
         self.finished = False
 
+    def release(self, pool):
+        """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
+        workers) unless the worker is dead, single-use, or the pool holds POOL_MAX already."""
+        worker = self.worker
+        self.worker = None
+        self.finished = True
+        if (worker is not None and pool is not None and len(pool) < POOL_MAX
+                and not worker.dead and not worker.single_use):
+            pool.append(worker)
+
 
 class Event:
     """One happening of a location, as handed to bodies: its value may be replaced."""
@@ -232,11 +243,18 @@ class Exchange:
     """
 
     __slots__ = ("hub", "current", "bypass", "thread", "routed", "message", "paused",
-                 "routes", "is_grad_enabled", "set_grad_enabled")
+                 "done", "root_call", "tapper", "pool", "routes", "is_grad_enabled",
+                 "set_grad_enabled", "getcurrent")
 
-    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None):
+    def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None,
+                 getcurrent=None):
         self.is_grad_enabled = is_grad_enabled
         self.set_grad_enabled = set_grad_enabled
+        self.getcurrent = getcurrent
+        self.done = False  # the run's model call is over: requests are refused
+        self.root_call = False  # the run is one plain call of the root (its events by hand)
+        self.tapper = None  # sets the Taps of requests (None: all go to the policy)
+        self.pool = None  # set: a body that ends is released to it, no `message`
         self.routed = routed
         self.message = message
         self.paused = None
@@ -246,12 +264,17 @@ class Exchange:
         self.bypass = 0
         self.thread = 0
 
-    def begin(self, hub, thread):
-        """A run starts: its hub, and the thread its model runs in."""
+    def begin(self, hub, thread, root_call=False, pool=None):
+        """A run starts: its hub, the thread its model runs in, whether it is one plain call
+        of the root, and the idle-worker pool its ended bodies go back to (None: `message`
+        hears of them). `done` is False until the run object says the model call is over."""
         if not isinstance(hub, Hub):
             raise TypeError(f"Exchange.begin() needs a Hub, got {type(hub).__name__}")
         self.hub = hub
         self.thread = thread
+        self.root_call = bool(root_call)
+        self.pool = pool
+        self.done = False
         self.current = None
         self.bypass = 0
         self.paused = None
@@ -262,6 +285,7 @@ class Exchange:
         self.hub = None
         self.current = None
         self.paused = None
+        self.pool = None
         self.routes = bytearray()
 
     def route(self, key, on=True):
@@ -345,8 +369,11 @@ class Exchange:
             waiters.sort(key=_invoke_order)  # stable, like the compiled insertion sort
         for mediator in waiters:
             message = _resume(self, mediator, event, None)
-            if message != 1 and self.message is not None:  # 1: PARKED
-                self.message(mediator, message, event)
+            if message != 1:  # 1: PARKED
+                if message == 2 and self.pool is not None:  # 2: DONE, the common end
+                    mediator.release(self.pool)
+                elif self.message is not None:
+                    self.message(mediator, message, event)
             if self.paused is not None:
                 self.paused(mediator, event)
 
@@ -371,6 +398,32 @@ class Exchange:
             return mediator.received(payload)
         finally:
             payload = None  # an error raised here has this frame in its traceback: no cycle
+
+    def request(self, key, mediator=None):
+        """Body side: wait for location `key` at the occurrence `mediator`'s pointer names
+        (default: the running body's); returns the `Event` it is served.
+
+        Mechanism for the common case; the policy is the run object's own methods, called
+        only when needed: `mediator(key)` (no mediator given: the running body's, or the
+        error that says why there is none), `refuse(key, occ, passed, event)` (raises: the
+        run is over, or that occurrence has passed) and `install_by_policy(key)` (when the
+        `tapper` cannot set the Taps itself)."""
+        if mediator is None:
+            mediator = self.mediator(key)
+        elif not isinstance(mediator, MediatorCore):
+            raise TypeError(f"Exchange.request() needs a MediatorCore, got {type(mediator).__name__}")
+        return _request(self, mediator, key)
+
+    def read(self, key):
+        """Body side: the value of location `key` at the bound occurrence, as the running
+        body sees it (its rows of a batch: the run object's `narrowed(event, mediator, key)`)."""
+        mediator = self.current
+        if mediator is None or self.getcurrent is None or mediator.worker is not self.getcurrent():
+            mediator = self.mediator(key)  # raises: not the running body
+        event = _request(self, mediator, key)
+        if mediator.rows is None:
+            return event.value
+        return self.narrowed(event, mediator, key)
 
     def resume(self, mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
@@ -401,6 +454,27 @@ class Exchange:
 
 # The hooks' own calls are non-virtual, as the compiled ones are (cdef).
 _deliver, _serve, _resume = Exchange.deliver, Exchange.serve, Exchange.resume
+
+
+def _request(self, mediator, key):
+    """`Exchange.request`'s work, non-virtual (the compiled `c_request`)."""
+    hub = self.hub
+    if hub is None:
+        raise RuntimeError("Exchange.request() outside a run: call begin(hub, thread) first")
+    event = mediator.event
+    passed = hub.so_far(key)
+    if event is not None and event.key == key:
+        occ = mediator.pointer.bind(event.occ)
+        if event.occ == occ:
+            return event
+    else:
+        occ = mediator.pointer.bind(passed)
+    if self.done or occ < passed:
+        self.refuse(key, occ, passed, event)  # raises
+    if self.tapper is None or not self.tapper.install(self, key, self.root_call):
+        self.install_by_policy(key)
+    self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
+    return mediator.event
 
 
 class Hook:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import interlace
+from interlace._native import hotpath
 from interlace.intervention import mediator
 from interlace.intervention.mediator import UNWIND_STOP
 
@@ -20,7 +21,7 @@ def _suspended_outside_the_pool():
 
 def test_more_invokes_than_the_pool_keeps_leave_no_worker_behind(mlp, mlp_model):
     before = len(_suspended_outside_the_pool())
-    n = mediator._POOL_MAX + 4
+    n = hotpath.POOL_MAX + 4
     xs = [torch.randn(1, 6, generator=torch.Generator().manual_seed(i)) for i in range(n)]
     for _ in range(2):
         with torch.no_grad(), mlp_model.trace() as tracer:
@@ -30,7 +31,7 @@ def test_more_invokes_than_the_pool_keeps_leave_no_worker_behind(mlp, mlp_model)
                     outs.append(mlp_model.output)
         with torch.no_grad():
             assert all(torch.allclose(o, mlp(x), atol=1e-6) for o, x in zip(outs, xs))
-    assert len(mediator._pool.idle) == mediator._POOL_MAX
+    assert len(mediator._pool.idle) == hotpath.POOL_MAX
     assert len(_suspended_outside_the_pool()) == before
 
 

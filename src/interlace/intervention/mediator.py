@@ -58,10 +58,14 @@ class _Pool(threading.local):
 
 
 _pool = _Pool()
-# Idle workers kept per thread: enough for a trace with this many invokes to start none
-# (a new greenlet costs a creation and a first switch); an idle one holds only its short
-# saved stack, a few kB.
-_POOL_MAX = 64
+# Idle workers are kept per thread, up to `hotpath.POOL_MAX`: enough for a trace with that
+# many invokes to start none (a new greenlet costs a creation and a first switch); an idle
+# one holds only its short saved stack, a few kB.
+
+
+def idle_workers() -> list:
+    """This thread's idle workers (a run's exchange releases its ended bodies' workers here)."""
+    return _pool.idle
 
 
 def _worker_loop():
@@ -188,12 +192,7 @@ class Mediator(hotpath.MediatorCore):
             self.worker = None
 
     def _release(self):
-        worker = self.worker
-        self.worker = None
-        self.finished = True
-        if (worker is not None and not worker.dead and len(_pool.idle) < _POOL_MAX
-                and not worker.single_use):
-            _pool.idle.append(worker)
+        self.release(_pool.idle)  # (compiled: the exchange does this itself for a body that ends)
 
     # -- body side ----------------------------------------------------------------------
 
