@@ -1489,6 +1489,32 @@ static void ts_dealloc(PyObject *self) {
     Py_DECREF(type);
 }
 
+/* __reduce__: (type(self), (None,), (saved, parent, depth)), for copy and pickle. */
+static PyObject *ts_reduce(PyObject *self, PyObject *unused) {
+    TraceStateObject *s = (TraceStateObject *)self;
+    return Py_BuildValue("(O(O)(OOn))", (PyObject *)Py_TYPE(self), Py_None, s->saved,
+                         s->parent != NULL ? s->parent : Py_None, s->depth);
+}
+
+/* __setstate__((saved, parent, depth)) */
+static PyObject *ts_setstate(PyObject *self, PyObject *state) {
+    TraceStateObject *s = (TraceStateObject *)self;
+    PyObject *saved, *parent;
+    Py_ssize_t depth;
+    if (!PyArg_ParseTuple(state, "OOn:__setstate__", &saved, &parent, &depth)) return NULL;
+    Py_INCREF(saved);
+    Py_XSETREF(s->saved, saved);
+    Py_XSETREF(s->parent, parent == Py_None ? NULL : Py_NewRef(parent));
+    s->depth = depth;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ts_methods[] = {
+    {"__reduce__", ts_reduce, METH_NOARGS, NULL},
+    {"__setstate__", ts_setstate, METH_O, NULL},
+    {NULL},
+};
+
 static PyMemberDef ts_members[] = {
     {"saved", T_OBJECT, offsetof(TraceStateObject, saved), 0, "id -> object: the values saved (shared by nested traces)"},
     {"parent", T_OBJECT, offsetof(TraceStateObject, parent), 0, "the enclosing trace's state, or None"},
@@ -1502,6 +1528,7 @@ static PyType_Slot ts_slots[] = {
     {Py_tp_clear, ts_clear},
     {Py_tp_dealloc, ts_dealloc},
     {Py_tp_members, ts_members},
+    {Py_tp_methods, ts_methods},
     {Py_tp_doc, "TraceState(parent)\n--\n\nOne trace's save set (`saved`: id -> object, shared "
                 "with the enclosing traces) and nesting `depth`."},
     {0, NULL},

@@ -418,6 +418,12 @@ class TraceState:
             self.saved = parent.saved
             self.depth = parent.depth + 1
 
+    def __reduce__(self):
+        return type(self), (None,), (self.saved, self.parent, self.depth)
+
+    def __setstate__(self, state):
+        self.saved, self.parent, self.depth = state
+
 
 def save_hooks(current, running, mount, descriptor, on_enter, on_exit):
     """(enter_body, exit_body) over the ContextVar `current` and the list `running` (one

@@ -8,8 +8,10 @@ statements run inline (the `inline` fixture) or with plain Python, on both paths
 count says where each path's work runs.
 """
 
+import copy
 import gc
 import importlib
+import pickle
 import sys
 import types
 import weakref
@@ -179,6 +181,30 @@ def test_trace_state_is_a_save_set_shared_with_its_nested_states():
         TraceState(object())
     nested.depth = 0  # writable, as before
     assert nested.depth == 0
+    top.saved[1] = "kept"
+    again = pickle.loads(pickle.dumps(nested))
+    assert (again.saved, again.depth, again.parent.saved) == ({1: "kept"}, 0, {1: "kept"})
+    twin = copy.copy(top)
+    assert twin.saved is top.saved and twin.parent is None and twin.depth == 0
+
+
+def test_a_deferred_body_copies_field_by_field():
+    class Keep(Backend):
+        def __call__(self, tracer):
+            tracer.kept = tracer.defer()
+
+    def f():
+        x = [1]
+        with Tracer(backend=Keep()) as tracer:
+            y = x.save()  # noqa: F841 - run by the test
+        return tracer.kept
+
+    body = f()
+    twin = copy.copy(body)
+    assert type(twin) is DeferredBody
+    names = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
+    assert all(getattr(twin, name) is getattr(body, name) for name in names)
+    assert twin.run() == body.run() == {"x": [1], "y": [1]}
 
 
 def test_defer_outside_the_warm_case_is_the_policys():

@@ -26,6 +26,8 @@ object), so they answer for a body that runs once at a time, which is how backen
 
 from __future__ import annotations
 
+import copyreg
+
 from .. import _native
 from ..errors import InterlaceError
 from . import skip
@@ -57,6 +59,16 @@ class DeferredBody(_native.frames.DeferredBase):
     """
 
     __slots__ = ()
+    _STATE = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
+
+    def __reduce__(self):
+        """Copied (and pickled, where its fields pickle) field by field: natively they are C
+        fields, which the default protocol would not see."""
+        return copyreg.__newobj__, (type(self),), tuple(getattr(self, name) for name in self._STATE)
+
+    def __setstate__(self, state):
+        for name, value in zip(self._STATE, state):
+            setattr(self, name, value)
 
     def run(self, namespace=None, globals=None, *, reads_as_globals=False) -> dict:  # noqa: A002 - named as exec() names it
         """Run the body now, in this trace's save state, from any greenlet or thread; its
