@@ -1653,6 +1653,46 @@ PyObject *ilc_save_hooks(PyObject *current, PyObject *running, PyObject *mount, 
     return Py_BuildValue("(NN)", enter, exit_);
 }
 
+/* -- a Block's attributes, read by slot offset: the warm steps read three per trace -- */
+
+/* Block is a Python class with __slots__: each attribute is a member descriptor at a fixed
+   offset. The offsets are learned from the descriptors found on the type (and learned again
+   when the type, or its version tag, changes), so a read is a load, not a generic lookup. */
+enum { BA_NAMES, BA_ASSIGNED, BA_LAST, BA_N };
+static PyTypeObject *ba_type = NULL;          /* borrowed: compared by identity only */
+static unsigned int ba_version = 0;
+static Py_ssize_t ba_offset[BA_N];            /* 0: not a plain object slot, look it up */
+
+static PyObject *ba_name(int which) {
+    return which == BA_NAMES ? s_names : which == BA_ASSIGNED ? s_assigned : s_last_function;
+}
+
+/* block.<which> as a NEW reference, NULL with an error set. block: borrowed. */
+static PyObject *block_attr(PyObject *block, int which) {
+    PyTypeObject *type = Py_TYPE(block);
+    if (type != ba_type || type->tp_version_tag != ba_version
+            || !(type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+        ba_type = NULL;
+        for (int k = 0; k < BA_N; k++) {
+            PyObject *descr = _PyType_Lookup(type, ba_name(k));   /* borrowed */
+            ba_offset[k] = 0;
+            if (descr != NULL && Py_TYPE(descr) == &PyMemberDescr_Type) {
+                PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+                if (m->type == T_OBJECT_EX && !(m->flags & READ_RESTRICTED)) ba_offset[k] = m->offset;
+            }
+        }
+        if (type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {   /* (_PyType_Lookup assigned one) */
+            ba_type = type;
+            ba_version = type->tp_version_tag;
+        }
+    }
+    if (ba_offset[which] > 0) {
+        PyObject *value = *(PyObject **)((char *)block + ba_offset[which]);
+        if (value != NULL) return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(block, ba_name(which));   /* unset: its AttributeError */
+}
+
 /* -- DeferredBase: a deferred body's fields -- */
 
 typedef struct {
@@ -1668,7 +1708,7 @@ static PyTypeObject *DeferredType = NULL;   /* strong */
 
 /* tuple(name for name in block.names if name in namespace). All borrowed; a NEW reference. */
 static PyObject *params_of(PyObject *block, PyObject *namespace) {
-    PyObject *names = PyObject_GetAttr(block, s_names);
+    PyObject *names = block_attr(block, BA_NAMES);
     if (names == NULL) return NULL;
     PyObject *list = PyList_New(0), *out = NULL, *iter = NULL, *name;
     if (list == NULL || (iter = PyObject_GetIter(names)) == NULL) goto done;
@@ -1765,7 +1805,9 @@ static PyType_Spec db_spec = {
 };
 
 PyObject *ilc_deferred_base(void) {
-    if (intern(&s_names, "names") < 0 || intern(&s_block, "block") < 0) return NULL;
+    if (intern(&s_names, "names") < 0 || intern(&s_block, "block") < 0
+            || intern(&s_assigned, "assigned_names") < 0 || intern(&s_last_function, "last_function") < 0)
+        return NULL;
     if (DeferredType == NULL) {
         PyObject *bases = PyTuple_Pack(1, (PyObject *)&PyBaseObject_Type);
         if (bases == NULL) return NULL;
@@ -1807,15 +1849,21 @@ static PyObject *m_defer(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (nargs != 0 || kwnames != NULL || t->block == NULL || t->frame == NULL
             || !PyType_IsSubtype((PyTypeObject *)dm_cls, DeferredType))
         return call_policy(dm_defer, self, args, nargs, kwnames);
-    PyObject *names = PyObject_GetAttr(t->block, s_names);
+    PyObject *names = block_attr(t->block, BA_NAMES);
     if (names == NULL) return NULL;
     if (!PyTuple_Check(names)) { Py_DECREF(names); return call_policy(dm_defer, self, args, nargs, kwnames); }
     PyObject *namespace = NULL, *params = NULL, *globals = NULL, *state;
     DeferredObject *d = NULL;
     if ((namespace = ilc_bind(t->frame, names)) == NULL) goto error;
     /* in `names` order: the body function's parameters as they are (all bound: names itself) */
-    params = PyDict_GET_SIZE(namespace) == PyTuple_GET_SIZE(names) ? Py_NewRef(names)
-             : PySequence_Tuple(namespace);
+    Py_ssize_t bound = PyDict_GET_SIZE(namespace);
+    if (bound == PyTuple_GET_SIZE(names)) {
+        params = Py_NewRef(names);
+    } else if ((params = PyTuple_New(bound)) != NULL) {   /* the keys, in `names` order */
+        Py_ssize_t pos = 0, k = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(namespace, &pos, &key, &value)) PyTuple_SET_ITEM(params, k++, Py_NewRef(key));
+    }
     if (params == NULL || (globals = frame_globals(t->frame)) == NULL) goto error;
     if ((state = tracer_state(t)) == NULL) goto error;
     d = (DeferredObject *)((PyTypeObject *)dm_cls)->tp_alloc((PyTypeObject *)dm_cls, 0);
@@ -1845,7 +1893,7 @@ static PyObject *m_push(PyObject *self, PyObject *values) {
     if (state == NULL) return NULL;
     if (!PyObject_TypeCheck(state, TraceStateType)) return call_policy(dm_push, self, &values, 1, NULL);
     TraceStateObject *s = (TraceStateObject *)state;
-    PyObject *names = PyObject_GetAttr(t->block, s_assigned);
+    PyObject *names = block_attr(t->block, BA_ASSIGNED);
     if (names == NULL) return NULL;
     PyObject *out = ilc_pick(values, names, s->depth ? Py_None : s->saved);
     Py_DECREF(names);
@@ -1864,7 +1912,7 @@ static PyObject *m_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs, 
     if (nargs != 0 || kwnames != NULL || d->globals == NULL || d->block == NULL
             || d->params == NULL || d->namespace == NULL || d->state == NULL)
         return call_policy(dm_run, self, args, nargs, kwnames);
-    PyObject *last = PyObject_GetAttr(d->block, s_last_function);
+    PyObject *last = block_attr(d->block, BA_LAST);
     if (last == NULL) return NULL;
     PyObject *function = NULL;
     if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 && PyTuple_GET_ITEM(last, 1) == d->globals) {

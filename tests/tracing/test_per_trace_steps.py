@@ -256,3 +256,26 @@ def test_a_deferred_body_in_a_reference_cycle_is_collected():
     del holder, body
     gc.collect()
     assert ref() is None
+
+
+def test_a_warm_run_follows_the_blocks_last_function_as_it_changes():
+    kept = []
+
+    class Keep(Backend):
+        def __call__(self, tracer):
+            body = tracer.defer()
+            kept.append(body)
+            tracer.push_result(body.run())
+
+    def f(n):
+        with Tracer(backend=Keep()):
+            out = [n * 2].save()
+        return out
+
+    assert [f(n) for n in range(3)] == [[0], [2], [4]]
+    block = kept[-1].block
+    function = block.last_function[2]
+    block.last_function = None  # forgotten: the policy finds (or compiles) it again
+    assert f(5) == [10] and block.last_function[2] is function
+    block.last_function = (block.last_function[0], {}, function)  # other globals: not this one
+    assert f(6) == [12] and block.last_function[1] is kept[-1].globals
