@@ -33,6 +33,13 @@ cdef extern from "_cframes_impl.h":
     object ilc_tracer_base()
     object ilc_tracer_methods(object type, object enter, object exit, object clean, object current,
                               object default_backend)
+    object ilc_trace_state_type()
+    object ilc_save_hooks(object current, object running, object mount, object descriptor,
+                          object on_enter, object on_exit)
+    object ilc_deferred_base()
+    object ilc_deferred_methods(object tracer_cls, object deferred_cls, object defer, object push,
+                                object run, object locals_param)
+    object ilc_object_save(object descriptor, object save)
 
 COMPILED = True
 
@@ -50,6 +57,8 @@ class SkipSignal(BaseException):
 ilc_init(SkipSignal)
 
 TracerBase = ilc_tracer_base()   # the Tracer's per-run fields in C (see _cframes_impl.c)
+TraceState = ilc_trace_state_type()   # one trace's save set and depth (C fields)
+DeferredBase = ilc_deferred_base()    # a deferred body's fields (C fields)
 
 _lock = threading.Lock()
 # id(code) -> (weak reference to code, set(lines), set(units), set(guard units)); an entry
@@ -83,6 +92,29 @@ def tracer_methods(cls, enter, exit, aenter, aexit, clean, current, default_back
     trace-state ContextVar whose value becomes the tracer's `_parent`; `default_backend` is
     what TracerBase.__init__ stores for `backend=None`."""
     return ilc_tracer_methods(cls, enter, exit, clean, current, default_backend)
+
+
+def save_hooks(current, running, mount, descriptor, on_enter, on_exit):
+    """(enter_body, exit_body): C functions that make a TraceState the current trace (the
+    ContextVar `current`), keep a token per running body in the list `running`, and call
+    the Python `on_enter()` when `.save()` is not mounted (`object.save` is not `descriptor`)
+    or an import runs (`mount.importing`), and `on_exit()` when an import runs at exit."""
+    return ilc_save_hooks(current, running, mount, descriptor, on_enter, on_exit)
+
+
+def deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_param):
+    """(Tracer.defer, Tracer.push_result, DeferredBody.run) as C methods: the warm case of
+    each (a plain `defer()` while __exit__ runs; a push; a plain `run()` whose body function
+    the site's previous run left on the Block) with no Python frame; everything else calls
+    the Python method given, with the same arguments. The twin returns the three unchanged."""
+    return ilc_deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_param)
+
+
+def object_save(descriptor, save):
+    """The descriptor to mount as `object.save`: natively a C one whose bound method marks in
+    C (one call, no Python frame); outside a trace it calls `save(value)`, and classes and
+    modules get `descriptor`'s own __get__. The twin returns `descriptor` unchanged."""
+    return ilc_object_save(descriptor, save)
 
 
 def register_site(code, int lasti, kind, block, plan, arm_args=None):

@@ -1396,3 +1396,684 @@ PyObject *ilc_tracer_methods(PyObject *type, PyObject *enter, PyObject *exit_, P
     }
     return out;
 }
+
+/* ------------------------------------------- a trace's per-trace steps (all) ---- *
+ * What every warm trace does besides enter/exit, in C so that none of it runs a Python
+ * frame: the save state (TraceState), making it current while a body runs (enter_body /
+ * exit_body), a deferred body (DeferredBase's fields, Tracer.defer, DeferredBody.run),
+ * writing the results back (Tracer.push_result) and `.save()` on an object. Mechanism only:
+ * each C method serves the usual case and calls the Python policy it was given, with the
+ * same arguments, for anything else (a namespace or globals of the caller's own, a Block
+ * whose body function is not compiled yet, an error to word, `.save()` outside a trace). */
+
+#include "structmember.h"
+
+static PyObject *sv_current = NULL;     /* strong: the trace-state ContextVar */
+static PyObject *sv_running = NULL;     /* strong: the list of tokens of running bodies */
+static PyObject *sv_mount = NULL;       /* strong: the mount's state class (`importing`) */
+static PyObject *sv_on_enter = NULL;    /* strong: Python on_enter(): mount `.save()` */
+static PyObject *sv_on_exit = NULL;     /* strong: Python on_exit(): an import runs, resync */
+static PyObject *sv_descriptor = NULL;  /* strong: what `object.save` is when ours is on */
+static PyObject *s_importing = NULL, *s_save = NULL, *s_names = NULL, *s_assigned = NULL,
+                *s_last_function = NULL, *s_block = NULL, *s_saved = NULL;   /* interned */
+static PyObject *dm_defer = NULL, *dm_push = NULL, *dm_run = NULL;  /* strong: the policies */
+static PyObject *dm_cls = NULL;         /* strong: the DeferredBody class defer makes */
+static PyObject *dm_locals = NULL;      /* strong: the body function's hidden parameter */
+static PyObject *os_save = NULL;        /* strong: Python `.save()` outside a trace */
+
+static int intern(PyObject **slot, const char *text) {
+    if (*slot == NULL && (*slot = PyUnicode_InternFromString(text)) == NULL) return -1;
+    return 0;
+}
+
+/* -- TraceState: one trace's save set (id -> object) and nesting depth -- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *saved;          /* the outermost trace's dict id -> object */
+    PyObject *parent;         /* the enclosing trace's state, or NULL */
+    Py_ssize_t depth;         /* 0 at top level */
+} TraceStateObject;
+
+static PyTypeObject *TraceStateType = NULL;   /* strong */
+
+/* A new TraceState under `parent` (borrowed; NULL or None: top level). Returns a NEW
+   reference, NULL with an error set. */
+static PyObject *ts_make(PyTypeObject *type, PyObject *parent) {
+    if (parent == Py_None) parent = NULL;
+    PyObject *saved;
+    Py_ssize_t depth = 0;
+    if (parent == NULL) {
+        if ((saved = PyDict_New()) == NULL) return NULL;
+    } else if (PyObject_TypeCheck(parent, TraceStateType)) {
+        saved = Py_NewRef(((TraceStateObject *)parent)->saved);
+        depth = ((TraceStateObject *)parent)->depth + 1;
+    } else {
+        PyErr_Format(PyExc_TypeError, "TraceState(parent): parent must be a TraceState or None, not %.100s",
+                     Py_TYPE(parent)->tp_name);
+        return NULL;
+    }
+    TraceStateObject *s = (TraceStateObject *)type->tp_alloc(type, 0);
+    if (s == NULL) { Py_DECREF(saved); return NULL; }
+    s->saved = saved;
+    s->parent = Py_XNewRef(parent);
+    s->depth = depth;
+    return (PyObject *)s;
+}
+
+static PyObject *ts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"parent", NULL};
+    PyObject *parent;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:TraceState", kwlist, &parent)) return NULL;
+    return ts_make(type, parent);
+}
+
+static int ts_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(((TraceStateObject *)self)->saved);
+    Py_VISIT(((TraceStateObject *)self)->parent);
+    return 0;
+}
+
+static int ts_clear(PyObject *self) {
+    Py_CLEAR(((TraceStateObject *)self)->saved);
+    Py_CLEAR(((TraceStateObject *)self)->parent);
+    return 0;
+}
+
+static void ts_dealloc(PyObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    ts_clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+/* __reduce__: (type(self), (None,), (saved, parent, depth)), for copy and pickle. */
+static PyObject *ts_reduce(PyObject *self, PyObject *unused) {
+    TraceStateObject *s = (TraceStateObject *)self;
+    return Py_BuildValue("(O(O)(OOn))", (PyObject *)Py_TYPE(self), Py_None, s->saved,
+                         s->parent != NULL ? s->parent : Py_None, s->depth);
+}
+
+/* __setstate__((saved, parent, depth)) */
+static PyObject *ts_setstate(PyObject *self, PyObject *state) {
+    TraceStateObject *s = (TraceStateObject *)self;
+    PyObject *saved, *parent;
+    Py_ssize_t depth;
+    if (!PyArg_ParseTuple(state, "OOn:__setstate__", &saved, &parent, &depth)) return NULL;
+    Py_INCREF(saved);
+    Py_XSETREF(s->saved, saved);
+    Py_XSETREF(s->parent, parent == Py_None ? NULL : Py_NewRef(parent));
+    s->depth = depth;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ts_methods[] = {
+    {"__reduce__", ts_reduce, METH_NOARGS, NULL},
+    {"__setstate__", ts_setstate, METH_O, NULL},
+    {NULL},
+};
+
+static PyMemberDef ts_members[] = {
+    {"saved", T_OBJECT, offsetof(TraceStateObject, saved), 0, "id -> object: the values saved (shared by nested traces)"},
+    {"parent", T_OBJECT, offsetof(TraceStateObject, parent), 0, "the enclosing trace's state, or None"},
+    {"depth", T_PYSSIZET, offsetof(TraceStateObject, depth), 0, "how deep this trace is nested (0: top level)"},
+    {NULL},
+};
+
+static PyType_Slot ts_slots[] = {
+    {Py_tp_new, ts_new},
+    {Py_tp_traverse, ts_traverse},
+    {Py_tp_clear, ts_clear},
+    {Py_tp_dealloc, ts_dealloc},
+    {Py_tp_members, ts_members},
+    {Py_tp_methods, ts_methods},
+    {Py_tp_doc, "TraceState(parent)\n--\n\nOne trace's save set (`saved`: id -> object, shared "
+                "with the enclosing traces) and nesting `depth`."},
+    {0, NULL},
+};
+
+static PyType_Spec ts_spec = {
+    .name = "interlace._cframes.TraceState",
+    .basicsize = sizeof(TraceStateObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = ts_slots,
+};
+
+PyObject *ilc_trace_state_type(void) {
+    if (TraceStateType == NULL && (TraceStateType = (PyTypeObject *)PyType_FromSpec(&ts_spec)) == NULL)
+        return NULL;
+    return Py_NewRef((PyObject *)TraceStateType);
+}
+
+/* `t`'s TraceState, made (under its `parent`) and kept on first use. t: borrowed. Returns
+   a BORROWED reference, NULL with an error set. */
+static PyObject *tracer_state(TracerBaseObject *t) {
+    if (t->state == NULL) t->state = ts_make(TraceStateType, t->parent);
+    return t->state;
+}
+
+/* -- enter_body / exit_body: a state current while a body runs, `.save()` mounted -- */
+
+/* Whether an import runs now (the mount's `importing` count). Never fails. */
+static inline int importing(void) {
+    PyObject *n = _PyType_Lookup((PyTypeObject *)sv_mount, s_importing);   /* borrowed */
+    if (n == NULL) return 0;
+    int r = PyObject_IsTrue(n);
+    if (r < 0) { PyErr_Clear(); return 1; }         /* (an int: never) */
+    return r;
+}
+
+static PyObject *enter_body(PyObject *state) {
+    PyObject *token = PyContextVar_Set(sv_current, state);
+    if (token == NULL) return NULL;
+    if (PyList_Append(sv_running, token) < 0) goto undo_set;
+    /* Checked after registering this body: an import starting now sees it (and keeps ours on). */
+    if (importing() || _PyType_Lookup(&PyBaseObject_Type, s_save) != sv_descriptor) {
+        PyObject *r = PyObject_CallNoArgs(sv_on_enter);
+        if (r == NULL) {
+            Py_ssize_t n = PyList_GET_SIZE(sv_running);
+            if (n > 0 && PyList_GET_ITEM(sv_running, n - 1) == token)
+                PyList_SetSlice(sv_running, n - 1, n, NULL);
+            goto undo_set;
+        }
+        Py_DECREF(r);
+    }
+    return token;
+undo_set:
+    {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        if (PyContextVar_Reset(sv_current, token) < 0) PyErr_Clear();
+        PyErr_Restore(et, ev, etb);
+    }
+    Py_DECREF(token);
+    return NULL;
+}
+
+/* Undo enter_body (same context). token: borrowed. Returns 0, -1 with an error set. */
+static int exit_body(PyObject *token) {
+    Py_ssize_t k = PyList_GET_SIZE(sv_running);
+    while (--k >= 0 && PyList_GET_ITEM(sv_running, k) != token) {}
+    int result = 0;
+    if (k < 0) {
+        PyErr_SetString(PyExc_ValueError, "exit_body(): this token's body is not running");
+        result = -1;
+    } else if (PyList_SetSlice(sv_running, k, k + 1, NULL) < 0) {
+        result = -1;
+    } else if (importing()) {
+        PyObject *r = PyObject_CallNoArgs(sv_on_exit);
+        if (r == NULL) result = -1;
+        Py_XDECREF(r);
+    }
+    if (result < 0) {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        if (PyContextVar_Reset(sv_current, token) < 0) PyErr_Clear();
+        PyErr_Restore(et, ev, etb);
+        return -1;
+    }
+    return PyContextVar_Reset(sv_current, token);
+}
+
+static PyObject *py_enter_body(PyObject *module, PyObject *state) {
+    if (sv_current == NULL) { PyErr_SetString(PyExc_RuntimeError, "enter_body() before save_hooks()"); return NULL; }
+    return enter_body(state);
+}
+
+static PyObject *py_exit_body(PyObject *module, PyObject *token) {
+    if (sv_current == NULL) { PyErr_SetString(PyExc_RuntimeError, "exit_body() before save_hooks()"); return NULL; }
+    if (exit_body(token) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef enter_body_def = {"enter_body", (PyCFunction)py_enter_body, METH_O,
+    "enter_body(state, /)\n--\n\nMake `state` the current trace here, with `.save()` mounted; a token for exit_body."};
+static PyMethodDef exit_body_def = {"exit_body", (PyCFunction)py_exit_body, METH_O,
+    "exit_body(token, /)\n--\n\nUndo enter_body (same context)."};
+
+PyObject *ilc_save_hooks(PyObject *current, PyObject *running, PyObject *mount, PyObject *descriptor,
+                         PyObject *on_enter, PyObject *on_exit) {
+    if (!PyContextVar_CheckExact(current) || !PyList_CheckExact(running) || !PyType_Check(mount)
+            || !PyCallable_Check(on_enter) || !PyCallable_Check(on_exit)) {
+        PyErr_SetString(PyExc_TypeError, "save_hooks(): unexpected argument types");
+        return NULL;
+    }
+    if (intern(&s_importing, "importing") < 0 || intern(&s_save, "save") < 0) return NULL;
+    Py_INCREF(current); Py_XSETREF(sv_current, current);
+    Py_INCREF(running); Py_XSETREF(sv_running, running);
+    Py_INCREF(mount); Py_XSETREF(sv_mount, mount);
+    Py_INCREF(descriptor); Py_XSETREF(sv_descriptor, descriptor);
+    Py_INCREF(on_enter); Py_XSETREF(sv_on_enter, on_enter);
+    Py_INCREF(on_exit); Py_XSETREF(sv_on_exit, on_exit);
+    PyObject *enter = PyCFunction_New(&enter_body_def, NULL);
+    PyObject *exit_ = enter != NULL ? PyCFunction_New(&exit_body_def, NULL) : NULL;
+    if (exit_ == NULL) { Py_XDECREF(enter); return NULL; }
+    return Py_BuildValue("(NN)", enter, exit_);
+}
+
+/* -- a Block's attributes, read by slot offset: the warm steps read three per trace -- */
+
+/* Block is a Python class with __slots__: each attribute is a member descriptor at a fixed
+   offset. The offsets are learned from the descriptors found on the type (and learned again
+   when the type, or its version tag, changes), so a read is a load, not a generic lookup. */
+enum { BA_NAMES, BA_ASSIGNED, BA_LAST, BA_N };
+static PyTypeObject *ba_type = NULL;          /* borrowed: compared by identity only */
+static unsigned int ba_version = 0;
+static Py_ssize_t ba_offset[BA_N];            /* 0: not a plain object slot, look it up */
+
+static PyObject *ba_name(int which) {
+    return which == BA_NAMES ? s_names : which == BA_ASSIGNED ? s_assigned : s_last_function;
+}
+
+/* block.<which> as a NEW reference, NULL with an error set. block: borrowed. */
+static PyObject *block_attr(PyObject *block, int which) {
+    PyTypeObject *type = Py_TYPE(block);
+    if (type != ba_type || type->tp_version_tag != ba_version
+            || !(type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+        ba_type = NULL;
+        for (int k = 0; k < BA_N; k++) {
+            PyObject *descr = _PyType_Lookup(type, ba_name(k));   /* borrowed */
+            ba_offset[k] = 0;
+            if (descr != NULL && Py_TYPE(descr) == &PyMemberDescr_Type) {
+                PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+                if (m->type == T_OBJECT_EX && !(m->flags & READ_RESTRICTED)) ba_offset[k] = m->offset;
+            }
+        }
+        if (type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) {   /* (_PyType_Lookup assigned one) */
+            ba_type = type;
+            ba_version = type->tp_version_tag;
+        }
+    }
+    if (ba_offset[which] > 0) {
+        PyObject *value = *(PyObject **)((char *)block + ba_offset[which]);
+        if (value != NULL) return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(block, ba_name(which));   /* unset: its AttributeError */
+}
+
+/* -- DeferredBase: a deferred body's fields -- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tracer, *block, *namespace, *globals, *state;
+    PyObject *params;         /* the body function's parameters: names of `namespace` it mentions */
+    PyObject *code;           /* the code object the latest run executes (to find its frame) */
+    PyObject *entry;          /* the namespace the latest run started from */
+} DeferredObject;
+
+static PyTypeObject *DeferredType = NULL;   /* strong */
+#define DB(o) ((DeferredObject *)(o))
+
+/* tuple(name for name in block.names if name in namespace). All borrowed; a NEW reference. */
+static PyObject *params_of(PyObject *block, PyObject *namespace) {
+    PyObject *names = block_attr(block, BA_NAMES);
+    if (names == NULL) return NULL;
+    PyObject *list = PyList_New(0), *out = NULL, *iter = NULL, *name;
+    if (list == NULL || (iter = PyObject_GetIter(names)) == NULL) goto done;
+    while ((name = PyIter_Next(iter)) != NULL) {
+        int has = PySequence_Contains(namespace, name);
+        if (has > 0) has = PyList_Append(list, name) < 0 ? -1 : 1;
+        Py_DECREF(name);
+        if (has < 0) goto done;
+    }
+    if (!PyErr_Occurred()) out = PyList_AsTuple(list);
+done:
+    Py_XDECREF(iter);
+    Py_XDECREF(list);
+    Py_DECREF(names);
+    return out;
+}
+
+/* __init__(self, tracer, namespace, globals_, state, _params=None) */
+static int db_init(PyObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"tracer", "namespace", "globals_", "state", "_params", NULL};
+    PyObject *tracer, *namespace, *globals, *state, *params = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|O:DeferredBody", kwlist,
+                                     &tracer, &namespace, &globals, &state, &params)) return -1;
+    PyObject *block = PyObject_GetAttr(tracer, s_block);
+    if (block == NULL) return -1;
+    if (params == Py_None) {
+        if ((params = params_of(block, namespace)) == NULL) { Py_DECREF(block); return -1; }
+    } else {
+        Py_INCREF(params);
+    }
+    DeferredObject *d = DB(self);
+    PyObject *old[8] = {d->tracer, d->block, d->namespace, d->globals, d->state, d->params, d->code, d->entry};
+    d->tracer = Py_NewRef(tracer);
+    d->block = block;
+    d->namespace = Py_NewRef(namespace);
+    d->globals = globals == Py_None ? NULL : Py_NewRef(globals);
+    d->state = Py_NewRef(state);
+    d->params = params;
+    d->code = d->entry = NULL;
+    for (int k = 0; k < 8; k++) Py_XDECREF(old[k]);
+    return 0;
+}
+
+static int db_traverse(PyObject *self, visitproc visit, void *arg) {
+    DeferredObject *d = DB(self);
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(d->tracer); Py_VISIT(d->block); Py_VISIT(d->namespace); Py_VISIT(d->globals);
+    Py_VISIT(d->state); Py_VISIT(d->params); Py_VISIT(d->code); Py_VISIT(d->entry);
+    return 0;
+}
+
+static int db_clear(PyObject *self) {
+    DeferredObject *d = DB(self);
+    Py_CLEAR(d->tracer); Py_CLEAR(d->block); Py_CLEAR(d->namespace); Py_CLEAR(d->globals);
+    Py_CLEAR(d->state); Py_CLEAR(d->params); Py_CLEAR(d->code); Py_CLEAR(d->entry);
+    return 0;
+}
+
+static void db_dealloc(PyObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    db_clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyMemberDef db_members[] = {
+    {"tracer", T_OBJECT, offsetof(DeferredObject, tracer), 0, "the tracer whose body this is"},
+    {"block", T_OBJECT, offsetof(DeferredObject, block), 0, "the captured Block"},
+    {"namespace", T_OBJECT, offsetof(DeferredObject, namespace), 0, "the caller's names the body uses, bound at defer()"},
+    {"globals", T_OBJECT, offsetof(DeferredObject, globals), 0, "the caller's module globals (None: rebuilt from a pickle)"},
+    {"state", T_OBJECT, offsetof(DeferredObject, state), 0, "the TraceState save() marks into while the body runs"},
+    {"_params", T_OBJECT, offsetof(DeferredObject, params), 0, "the body function's parameters"},
+    {"_code", T_OBJECT, offsetof(DeferredObject, code), 0, "the code object the latest run executes"},
+    {"_entry", T_OBJECT, offsetof(DeferredObject, entry), 0, "the namespace the latest run started from"},
+    {NULL},
+};
+
+static PyType_Slot db_slots[] = {
+    {Py_tp_init, db_init},
+    {Py_tp_traverse, db_traverse},
+    {Py_tp_clear, db_clear},
+    {Py_tp_dealloc, db_dealloc},
+    {Py_tp_members, db_members},
+    {Py_tp_doc, "A deferred body's fields (C fields the C run and defer read by offset)."},
+    {0, NULL},
+};
+
+static PyType_Spec db_spec = {
+    .name = "interlace._cframes.DeferredBase",
+    .basicsize = sizeof(DeferredObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = db_slots,
+};
+
+PyObject *ilc_deferred_base(void) {
+    if (intern(&s_names, "names") < 0 || intern(&s_block, "block") < 0
+            || intern(&s_assigned, "assigned_names") < 0 || intern(&s_last_function, "last_function") < 0)
+        return NULL;
+    if (DeferredType == NULL) {
+        PyObject *bases = PyTuple_Pack(1, (PyObject *)&PyBaseObject_Type);
+        if (bases == NULL) return NULL;
+        DeferredType = (PyTypeObject *)PyType_FromSpecWithBases(&db_spec, bases);
+        Py_DECREF(bases);
+        if (DeferredType == NULL) return NULL;
+    }
+    return Py_NewRef((PyObject *)DeferredType);
+}
+
+/* -- the C methods: Tracer.defer, Tracer.push_result, DeferredBody.run -- */
+
+/* policy(self, *args, **kwargs) for a vectorcall's arguments. All borrowed. */
+static PyObject *call_policy(PyObject *policy, PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames) {
+    Py_ssize_t total = nargs + (kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8];
+    PyObject **argv = total < 8 ? small : PyMem_New(PyObject *, total + 1);
+    if (argv == NULL) return PyErr_NoMemory();
+    argv[0] = self;
+    for (Py_ssize_t k = 0; k < total; k++) argv[k + 1] = args[k];
+    PyObject *r = PyObject_Vectorcall(policy, argv, (size_t)nargs + 1, kwnames);
+    if (argv != small) PyMem_Free(argv);
+    return r;
+}
+
+static PyObject *frame_globals(PyObject *frame) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetGlobals((PyFrameObject *)frame);
+#else
+    return Py_NewRef(((PyFrameObject *)frame)->f_globals);
+#endif
+}
+
+/* Tracer.defer(self, namespace=None, *, state=None): a plain `defer()` of a tracer whose
+   __exit__ runs binds the caller's names here; the rest is the policy's. */
+static PyObject *m_defer(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    TracerBaseObject *t = TB(self);
+    if (nargs != 0 || kwnames != NULL || t->block == NULL || t->frame == NULL
+            || !PyType_IsSubtype((PyTypeObject *)dm_cls, DeferredType))
+        return call_policy(dm_defer, self, args, nargs, kwnames);
+    PyObject *names = block_attr(t->block, BA_NAMES);
+    if (names == NULL) return NULL;
+    if (!PyTuple_Check(names)) { Py_DECREF(names); return call_policy(dm_defer, self, args, nargs, kwnames); }
+    PyObject *namespace = NULL, *params = NULL, *globals = NULL, *state;
+    DeferredObject *d = NULL;
+    if ((namespace = ilc_bind(t->frame, names)) == NULL) goto error;
+    /* in `names` order: the body function's parameters as they are (all bound: names itself) */
+    Py_ssize_t bound = PyDict_GET_SIZE(namespace);
+    if (bound == PyTuple_GET_SIZE(names)) {
+        params = Py_NewRef(names);
+    } else if ((params = PyTuple_New(bound)) != NULL) {   /* the keys, in `names` order */
+        Py_ssize_t pos = 0, k = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(namespace, &pos, &key, &value)) PyTuple_SET_ITEM(params, k++, Py_NewRef(key));
+    }
+    if (params == NULL || (globals = frame_globals(t->frame)) == NULL) goto error;
+    if ((state = tracer_state(t)) == NULL) goto error;
+    d = (DeferredObject *)((PyTypeObject *)dm_cls)->tp_alloc((PyTypeObject *)dm_cls, 0);
+    if (d == NULL) goto error;
+    d->tracer = Py_NewRef(self);
+    d->block = Py_NewRef(t->block);
+    d->namespace = namespace;
+    d->globals = globals;
+    d->state = Py_NewRef(state);
+    d->params = params;
+    Py_DECREF(names);
+    return (PyObject *)d;
+error:
+    Py_XDECREF(namespace);
+    Py_XDECREF(params);
+    Py_XDECREF(globals);
+    Py_DECREF(names);
+    return NULL;
+}
+
+/* Tracer.push_result(self, values): the results into the caller (all of them when nested,
+   else the saved ones). */
+static PyObject *m_push(PyObject *self, PyObject *values) {
+    TracerBaseObject *t = TB(self);
+    if (t->block == NULL) return call_policy(dm_push, self, &values, 1, NULL);
+    PyObject *state = tracer_state(t);
+    if (state == NULL) return NULL;
+    if (!PyObject_TypeCheck(state, TraceStateType)) return call_policy(dm_push, self, &values, 1, NULL);
+    TraceStateObject *s = (TraceStateObject *)state;
+    PyObject *names = block_attr(t->block, BA_ASSIGNED);
+    if (names == NULL) return NULL;
+    PyObject *out = ilc_pick(values, names, s->depth ? Py_None : s->saved);
+    Py_DECREF(names);
+    if (out == NULL) return NULL;
+    int r = PyDict_GET_SIZE(out) && t->frame != NULL ? ilc_write_back(t->frame, out) : 0;
+    Py_DECREF(out);
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* DeferredBody.run(self, namespace=None, globals=None, *, reads_as_globals=False): a plain
+   `run()` whose body function the site's previous run left (Block.last_function) runs here;
+   the rest is the policy's. */
+static PyObject *m_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    DeferredObject *d = DB(self);
+    if (nargs != 0 || kwnames != NULL || d->globals == NULL || d->block == NULL
+            || d->params == NULL || d->namespace == NULL || d->state == NULL)
+        return call_policy(dm_run, self, args, nargs, kwnames);
+    PyObject *last = block_attr(d->block, BA_LAST);
+    if (last == NULL) return NULL;
+    PyObject *function = NULL;
+    if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 && PyTuple_GET_ITEM(last, 1) == d->globals) {
+        PyObject *params = PyTuple_GET_ITEM(last, 0);
+        int same = params == d->params ? 1 : PyObject_RichCompareBool(params, d->params, Py_EQ);
+        if (same < 0) { Py_DECREF(last); return NULL; }
+        if (same) function = Py_NewRef(PyTuple_GET_ITEM(last, 2));
+    }
+    Py_DECREF(last);
+    if (function == NULL || !PyFunction_Check(function)) {
+        Py_XDECREF(function);
+        return call_policy(dm_run, self, args, nargs, kwnames);
+    }
+    Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
+    Py_XSETREF(d->entry, Py_NewRef(d->namespace));
+    PyObject *namespace = Py_NewRef(d->namespace), *params = Py_NewRef(d->params);
+    PyObject *token = enter_body(d->state);            /* also mounts `.save()` */
+    PyObject *result = NULL;
+    if (token != NULL) {
+        result = ilc_call_bound(function, namespace, params);
+        if (result == NULL) {
+            PyObject *et, *ev, *etb;
+            PyErr_Fetch(&et, &ev, &etb);
+            if (exit_body(token) < 0) {                /* its error wins, as in a finally */
+                Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(etb);
+            } else {
+                PyErr_Restore(et, ev, etb);
+            }
+        } else if (exit_body(token) < 0) {
+            Py_CLEAR(result);
+        }
+        Py_DECREF(token);
+    }
+    Py_DECREF(function);
+    Py_DECREF(namespace);
+    Py_DECREF(params);
+    if (result != NULL && (PyDict_CheckExact(result) ? PyDict_DelItem(result, dm_locals)
+                           : PyObject_DelItem(result, dm_locals)) < 0)
+        Py_CLEAR(result);
+    return result;
+}
+
+static PyMethodDef defer_def = {"defer", (PyCFunction)(void (*)(void))m_defer,
+    METH_FASTCALL | METH_KEYWORDS, "defer($self, namespace=None, *, state=None)\n--\n\n"
+    "A DeferredBody: the body to run later, anywhere (see interlace.tracing.deferred)."};
+static PyMethodDef push_def = {"push_result", (PyCFunction)m_push, METH_O,
+    "push_result($self, values, /)\n--\n\n"
+    "Write the body's results into the caller: all of them when nested, else the saved."};
+static PyMethodDef run_def = {"run", (PyCFunction)(void (*)(void))m_run,
+    METH_FASTCALL | METH_KEYWORDS, "run($self, namespace=None, globals=None, *, reads_as_globals=False)\n--\n\n"
+    "Run the body now, in this trace's save state, from any greenlet or thread; its final locals."};
+
+PyObject *ilc_deferred_methods(PyObject *tracer_cls, PyObject *deferred_cls, PyObject *defer,
+                               PyObject *push, PyObject *run, PyObject *locals_param) {
+    if (TracerBaseType == NULL || DeferredType == NULL || TraceStateType == NULL
+            || !PyType_Check(tracer_cls) || !PyType_IsSubtype((PyTypeObject *)tracer_cls, TracerBaseType)
+            || !PyType_Check(deferred_cls) || !PyType_IsSubtype((PyTypeObject *)deferred_cls, DeferredType)) {
+        PyErr_SetString(PyExc_TypeError, "deferred_methods(): the classes must derive from TracerBase "
+                        "and DeferredBase (and TraceState be made)");
+        return NULL;
+    }
+    if (sv_current == NULL) { PyErr_SetString(PyExc_RuntimeError, "deferred_methods() before save_hooks()"); return NULL; }
+    if (!PyCallable_Check(defer) || !PyCallable_Check(push) || !PyCallable_Check(run) || !PyUnicode_Check(locals_param)) {
+        PyErr_SetString(PyExc_TypeError, "deferred_methods(): unexpected argument types");
+        return NULL;
+    }
+    if (intern(&s_names, "names") < 0 || intern(&s_assigned, "assigned_names") < 0
+            || intern(&s_last_function, "last_function") < 0) return NULL;
+    Py_INCREF(deferred_cls); Py_XSETREF(dm_cls, deferred_cls);
+    Py_INCREF(defer); Py_XSETREF(dm_defer, defer);
+    Py_INCREF(push); Py_XSETREF(dm_push, push);
+    Py_INCREF(run); Py_XSETREF(dm_run, run);
+    Py_INCREF(locals_param); Py_XSETREF(dm_locals, locals_param);
+    PyObject *a = PyDescr_NewMethod(TracerBaseType, &defer_def);
+    PyObject *b = a != NULL ? PyDescr_NewMethod(TracerBaseType, &push_def) : NULL;
+    PyObject *c = b != NULL ? PyDescr_NewMethod(DeferredType, &run_def) : NULL;
+    if (c == NULL) { Py_XDECREF(a); Py_XDECREF(b); return NULL; }
+    return Py_BuildValue("(NNN)", a, b, c);
+}
+
+/* -- `.save()` on every object: a C descriptor whose bound method marks in C -- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *policy;         /* strong: the Python descriptor, for classes, modules, None... */
+} ObjectSaveObject;
+
+/* value.save(): mark `value` in the current trace's save set; outside a trace, the Python
+   `.save()` (a `save` we displaced, or the error). value: borrowed. A NEW reference. */
+static PyObject *os_call(PyObject *value, PyObject *unused) {
+    PyObject *state;
+    if (sv_current == NULL) return PyObject_CallOneArg(os_save, value);   /* (before save_hooks) */
+    if (PyContextVar_Get(sv_current, NULL, &state) < 0) return NULL;
+    if (state == NULL || state == Py_None) {
+        Py_XDECREF(state);
+        return PyObject_CallOneArg(os_save, value);
+    }
+    PyObject *saved = PyObject_TypeCheck(state, TraceStateType) ? Py_NewRef(((TraceStateObject *)state)->saved)
+                      : PyObject_GetAttr(state, s_saved);
+    Py_DECREF(state);
+    if (saved == NULL) return NULL;
+    PyObject *key = PyLong_FromVoidPtr(value);
+    int r = key == NULL ? -1 : PyObject_SetItem(saved, key, value);
+    Py_XDECREF(key);
+    Py_DECREF(saved);
+    return r < 0 ? NULL : Py_NewRef(value);
+}
+
+static PyMethodDef os_def = {"save", (PyCFunction)os_call, METH_NOARGS,
+    "save($self, /)\n--\n\nMark this object to be kept after the trace (see interlace.save); returns it."};
+
+/* __get__: an instance (not a class, not a module) gets the C bound method; the rest is the
+   Python descriptor's (a class sees a plain function, a module has none, `None.save`...). */
+static PyObject *os_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj != NULL && !PyType_Check(obj) && !PyModule_Check(obj))
+        return PyCFunction_New(&os_def, obj);
+    PyObject *policy = ((ObjectSaveObject *)self)->policy;
+    descrgetfunc get = Py_TYPE(policy)->tp_descr_get;
+    if (get == NULL) return Py_NewRef(policy);
+    return get(policy, obj, type);
+}
+
+static PyObject *os_repr(PyObject *self) {
+    return PyObject_Repr(((ObjectSaveObject *)self)->policy);
+}
+
+static void os_dealloc(PyObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    Py_CLEAR(((ObjectSaveObject *)self)->policy);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyType_Slot os_slots[] = {
+    {Py_tp_descr_get, os_get},
+    {Py_tp_repr, os_repr},
+    {Py_tp_dealloc, os_dealloc},
+    {Py_tp_doc, "The `save` attribute every object gets (compiled): `value.save()` marks in C."},
+    {0, NULL},
+};
+
+static PyType_Spec os_spec = {
+    .name = "interlace._cframes.ObjectSave",
+    .basicsize = sizeof(ObjectSaveObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = os_slots,
+};
+
+static PyTypeObject *ObjectSaveType = NULL;   /* strong */
+
+PyObject *ilc_object_save(PyObject *descriptor, PyObject *save) {
+    if (TraceStateType == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "object_save() before TraceState is made");
+        return NULL;
+    }
+    if (!PyCallable_Check(save)) { PyErr_SetString(PyExc_TypeError, "object_save(): `save` must be callable"); return NULL; }
+    if (intern(&s_saved, "saved") < 0) return NULL;
+    if (ObjectSaveType == NULL && (ObjectSaveType = (PyTypeObject *)PyType_FromSpec(&os_spec)) == NULL) return NULL;
+    ObjectSaveObject *o = PyObject_New(ObjectSaveObject, ObjectSaveType);
+    if (o == NULL) return NULL;
+    o->policy = Py_NewRef(descriptor);
+    Py_INCREF(save); Py_XSETREF(os_save, save);
+    return (PyObject *)o;
+}

@@ -89,4 +89,24 @@ PyObject *ilc_call_bound(PyObject *function, PyObject *namespace, PyObject *para
    `names`' iteration order) whose value is in `saved` by identity (every one if saved is
    None); NULL with an error set. */
 PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved);
+/* The per-trace steps in C (see the last section of _cframes_impl.c). Each returns a NEW
+   reference, NULL with an error set; arguments are borrowed (kept as strong references by
+   the module where said). */
+/* The TraceState type (made once). */
+PyObject *ilc_trace_state_type(void);
+/* Keeps the trace-state ContextVar, the running-bodies list, the mount's state class (its
+   `importing` count), the descriptor `object.save` is when ours is on, and the Python
+   on_enter() (mount) / on_exit() (an import runs: resync). Returns (enter_body, exit_body). */
+PyObject *ilc_save_hooks(PyObject *current, PyObject *running, PyObject *mount, PyObject *descriptor,
+                         PyObject *on_enter, PyObject *on_exit);
+/* The DeferredBase type (made once). */
+PyObject *ilc_deferred_base(void);
+/* Keeps the classes and the Python policies; returns (Tracer.defer, Tracer.push_result,
+   DeferredBody.run) as C method descriptors that call the policy for all but the warm case. */
+PyObject *ilc_deferred_methods(PyObject *tracer_cls, PyObject *deferred_cls, PyObject *defer,
+                               PyObject *push, PyObject *run, PyObject *locals_param);
+/* A C descriptor for `object.save`: instances get a C bound method that marks in the current
+   trace's state (outside a trace it calls `save(value)`); classes, modules get `descriptor`'s
+   __get__. */
+PyObject *ilc_object_save(PyObject *descriptor, PyObject *save);
 #endif

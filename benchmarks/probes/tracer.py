@@ -13,6 +13,10 @@ CPU time of this process, ratios to nullcontext):
                      (its __init__, the warm __enter__/__exit__ in C, the backend call)
 * native Tracer, Py  the same Tracer with its Python __enter__/__exit__ (the policy methods,
                      which read the same registered record: what the twin's warm path does)
+* deferred + .save()  a backend doing what an interleaving one does (`tracer.defer()`,
+                     `body.run()`, `tracer.push_result()`), body `x = [1].save()`: the
+                     per-trace steps (C natively: frames.deferred_methods, object_save)
+* deferred, Py       the same through the Python methods (the policy: what the twin runs)
 * twin skip / Tracer the same with INTERLACE_NO_EXTENSIONS=1 (a child process)
 * settrace ref       nnsight's way, written here: sys.settrace + frame.f_trace raising at
                      the first body line, suppressed in __exit__
@@ -70,14 +74,14 @@ class SettraceSkip:
         return exc_type is SettraceSkip.Skip
 
 
-def make_runner(expression: str, **names):
-    """`run(n)`: n times `with <expression>: x = 1`, written out as a user would (no factory
+def make_runner(expression: str, body: str = "x = 1", **names):
+    """`run(n)`: n times `with <expression>: <body>`, written out as a user would (no factory
     call in between), in a code object of its own: with sites are keyed by code object, and a
     row must not pay for another's (e.g. nullcontext for the monitoring events a skip
     enabled). The source goes into linecache, where a Tracer reads it."""
     import linecache
 
-    source = f"def run(n):\n    for _ in range(n):\n        with {expression}:\n            x = 1\n"
+    source = f"def run(n):\n    for _ in range(n):\n        with {expression}:\n            {body}\n"
     filename = f"<bench_tracer row {len(linecache.cache)}: {expression}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = dict(names)
@@ -155,6 +159,24 @@ def measure_here() -> dict:
 
     runs["tracer_py"] = make_runner("PolicyTracer(backend=nothing)", PolicyTracer=PolicyTracer,
                                     nothing=nothing)
+
+    class Deferred(Backend):
+        """Defer, run, push: an interleaving backend's per-trace steps, model aside."""
+
+        def __call__(self, tracer):
+            tracer.push_result(tracer.defer().run())
+
+    class DeferredPolicy(Backend):
+        """The same steps through their Python methods (the policy; the twin's methods)."""
+
+        def __call__(self, tracer):
+            body = tracer_module._policy_defer(tracer)
+            tracer_module._policy_push_result(tracer, tracer_module._policy_run(body))
+
+    runs["deferred"] = make_runner("Tracer(backend=deferred)", "x = [1].save()", Tracer=Tracer,
+                                   deferred=Deferred())
+    runs["deferred_py"] = make_runner("Tracer(backend=deferred)", "x = [1].save()", Tracer=Tracer,
+                                      deferred=DeferredPolicy())
     if not os.environ.get("INTERLACE_NO_EXTENSIONS"):
         runs["settrace"] = make_runner("SettraceSkip()", SettraceSkip=SettraceSkip)
     out.update(per_entry(runs))
@@ -212,9 +234,12 @@ def show(r: dict) -> None:
         ("native skip, Python enter/exit", n["skip"], base),
         ("native Tracer (no-op backend)", n["tracer"], base),
         ("native Tracer, Python enter/exit", n["tracer_py"], base),
+        ("native deferred + .save()", n["deferred"], base),
+        ("native deferred, Python steps", n["deferred_py"], base),
         ("twin skip, Python enter/exit", t["skip"], t["nullcontext"]),
         ("twin Tracer (no-op backend)", t["tracer"], t["nullcontext"]),
         ("twin Tracer, Python enter/exit", t["tracer_py"], t["nullcontext"]),
+        ("twin deferred + .save()", t["deferred"], t["nullcontext"]),
         ("settrace reference (nnsight)", n["settrace"], base),
     ]
     for name, us, ref in rows:

@@ -127,3 +127,52 @@ def tracer_methods(
 def armed_count() -> int:
     """Armed handles not yet disarmed, on any thread."""
 
+
+class TraceState:
+    """One trace's save set and nesting depth. Compiled: C fields (a warm trace makes it
+    without a Python frame); the twin: a class with __slots__."""
+
+    saved: dict[int, Any]   # id -> object: the values saved (shared with the enclosing traces)
+    parent: "TraceState | None"  # the enclosing trace's state
+    depth: int              # how deep this trace is nested (0: top level)
+
+    def __init__(self, parent: "TraceState | None") -> None: ...
+
+def save_hooks(
+    current: Any, running: list, mount: type, descriptor: Any, on_enter: Any, on_exit: Any
+) -> tuple[Any, Any]:
+    """(enter_body(state) -> token, exit_body(token)): make a TraceState the current trace
+    (the ContextVar `current`) while a body runs, one token per running body in `running`;
+    `on_enter()` runs when `.save()` is not mounted (`object.save` is not `descriptor`) or an
+    import runs (`mount.importing`), `on_exit()` when an import runs at exit. Compiled: C
+    functions."""
+
+class DeferredBase:
+    """A deferred body's fields and __init__ (compiled: C fields that the C `defer` and `run`
+    read by offset; the twin: __slots__). `interlace.tracing.DeferredBody` derives from it."""
+
+    tracer: Any
+    block: Any
+    namespace: Any
+    globals: Any
+    state: Any
+    _params: Any      # the body function's parameters: the names of `namespace` it mentions
+    _code: Any        # the code object the latest run executes (to find its frame)
+    _entry: Any       # the namespace the latest run started from
+
+    def __init__(self, tracer: Any, namespace: Any, globals_: Any, state: Any, _params: Any = ...) -> None: ...
+
+def deferred_methods(
+    tracer_cls: type, deferred_cls: type, defer: Any, push_result: Any, run: Any, locals_param: str
+) -> tuple[Any, Any, Any]:
+    """(Tracer.defer, Tracer.push_result, DeferredBody.run). Compiled: C methods that serve
+    the warm case (a plain `defer()` while __exit__ runs; a push; a plain `run()` whose body
+    function the site's previous run left on the Block, `last_function`) with no Python
+    frame, and call the Python method given, with the same arguments, for everything else.
+    The twin returns `defer`, `push_result`, `run` unchanged."""
+
+def object_save(descriptor: Any, save: Any) -> Any:
+    """The descriptor to mount as `object.save`. Compiled: a C descriptor whose bound method
+    marks the object in the current trace's state (one C call); outside a trace it calls
+    `save(value)`, and classes and modules get `descriptor`'s own __get__. The twin returns
+    `descriptor` unchanged."""

@@ -394,3 +394,97 @@ def pick(values, names, saved=None):
         if name in values and (saved is None or id(values[name]) in saved):
             out[name] = values[name]
     return out
+
+
+# -- a trace's per-trace steps (C in the compiled module: no Python frame there) -------------
+class TraceState:
+    """One trace's save set and nesting depth.
+
+    `saved` maps id -> object (the object is kept so its id cannot be reused while the trace
+    runs); nested traces share their outermost trace's `saved`, so a value saved deep inside
+    is pushed out by every enclosing trace.
+    """
+
+    __slots__ = ("saved", "depth", "parent")
+
+    def __init__(self, parent):
+        if parent is not None and not isinstance(parent, TraceState):
+            raise TypeError(f"TraceState(parent): parent must be a TraceState or None, not {type(parent).__name__}")
+        self.parent = parent
+        if parent is None:
+            self.saved = {}
+            self.depth = 0
+        else:
+            self.saved = parent.saved
+            self.depth = parent.depth + 1
+
+    def __reduce__(self):
+        return type(self), (None,), (self.saved, self.parent, self.depth)
+
+    def __setstate__(self, state):
+        self.saved, self.parent, self.depth = state
+
+
+def save_hooks(current, running, mount, descriptor, on_enter, on_exit):
+    """(enter_body, exit_body) over the ContextVar `current` and the list `running` (one
+    token per running body); `on_enter()` runs when `.save()` is not mounted (`object.save`
+    is not `descriptor`) or an import runs (`mount.importing`), `on_exit()` when an import
+    runs at exit. The compiled module's are C functions."""
+    set_current, reset_current = current.set, current.reset
+    append, remove = running.append, running.remove
+    object_get = object.__dict__.get  # a live view of object's type dict
+
+    def enter_body(state):
+        """Make `state` the current trace here, with `.save()` mounted; a token for exit_body."""
+        token = set_current(state)
+        append(token)  # (list.append/remove are atomic; tokens are unhashable)
+        # Checked after registering this body: an import starting now sees it (and keeps ours on).
+        if mount.importing or object_get("save") is not descriptor:
+            try:
+                on_enter()
+            except BaseException:
+                remove(token)
+                reset_current(token)
+                raise
+        return token
+
+    def exit_body(token):
+        """Undo enter_body (same context)."""
+        try:
+            remove(token)
+            if mount.importing:
+                on_exit()
+        finally:
+            reset_current(token)
+
+    return enter_body, exit_body
+
+
+class DeferredBase:
+    """A deferred body's fields (C fields in the compiled module, read there by offset)."""
+
+    __slots__ = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
+
+    def __init__(self, tracer, namespace, globals_, state, _params=None):
+        block = self.block = tracer.block
+        self.tracer = tracer
+        self.namespace = namespace
+        self.globals = globals_
+        self.state = state
+        # the body's parameters: the names of `namespace` it mentions, in `block.names` order
+        self._params = tuple(filter(namespace.__contains__, block.names)) if _params is None else _params
+        self._code = None  # the code object the latest run executes (to find its frame)
+        self._entry = None  # the namespace the latest run started from
+
+
+def deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_param):
+    """(Tracer.defer, Tracer.push_result, DeferredBody.run): the twin has no warm path of its
+    own, so these are the Python methods themselves (the compiled module returns C methods
+    that serve the warm case and call these for the rest)."""
+    return defer, push_result, run
+
+
+def object_save(descriptor, save):
+    """The descriptor to mount as `object.save`: the twin's is `descriptor` itself (the
+    compiled module's is a C one whose bound method marks in C)."""
+    return descriptor

@@ -26,6 +26,8 @@ object), so they answer for a body that runs once at a time, which is how backen
 
 from __future__ import annotations
 
+import copyreg
+
 from .. import _native
 from ..errors import InterlaceError
 from . import skip
@@ -41,27 +43,32 @@ _call_bound = _native.frames.call_bound
 _pick = _native.frames.pick
 
 
-class DeferredBody:
+class DeferredBody(_native.frames.DeferredBase):
     """What running a captured body later needs, and nothing that pins the caller's frame.
 
     Made by `Tracer.defer()`. Attributes: `tracer`, `block`, `namespace` (the caller's names
     the body uses, as bound at `defer()`), `globals` (the caller's module globals; None for a
     tracer rebuilt from a pickle, whose `namespace` then serves as its globals too), `state`
     (the `TraceState` that `save()` marks into while the body runs).
+
+    The fields and `__init__(tracer, namespace, globals_, state, _params=None)` are
+    `frames.DeferredBase`'s (C fields natively, so that `Tracer.defer` makes a body without
+    a Python frame); natively `run` is a C method too (`frames.deferred_methods`, installed
+    by tracing/tracer.py) that serves a plain `run()` of a warm site and calls the `run`
+    below for everything else.
     """
 
-    __slots__ = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
+    __slots__ = ()
+    _STATE = ("tracer", "block", "namespace", "globals", "state", "_params", "_code", "_entry")
 
-    def __init__(self, tracer, namespace, globals_, state: TraceState, _params=None):
-        block = self.block = tracer.block
-        self.tracer = tracer
-        self.namespace = namespace
-        self.globals = globals_
-        self.state = state
-        # the body's parameters: the names of `namespace` it mentions, in `block.names` order
-        self._params = tuple(filter(namespace.__contains__, block.names)) if _params is None else _params
-        self._code = None  # the code object the latest run executes (to find its frame)
-        self._entry = None  # the namespace the latest run started from
+    def __reduce__(self):
+        """Copied (and pickled, where its fields pickle) field by field: natively they are C
+        fields, which the default protocol would not see."""
+        return copyreg.__newobj__, (type(self),), tuple(getattr(self, name) for name in self._STATE)
+
+    def __setstate__(self, state):
+        for name, value in zip(self._STATE, state):
+            setattr(self, name, value)
 
     def run(self, namespace=None, globals=None, *, reads_as_globals=False) -> dict:  # noqa: A002 - named as exec() names it
         """Run the body now, in this trace's save state, from any greenlet or thread; its
@@ -190,7 +197,9 @@ def defer(tracer, namespace=None, *, state=None) -> DeferredBody:
     the body saves into (default: this trace's; a fresh `TraceState(None)` makes a run
     behave as its own top-level trace).
 
-    `Tracer.defer` is this function itself (one Python call per trace, not two).
+    `Tracer.defer` is a C method natively (`frames.deferred_methods`) that makes a plain
+    `defer()` itself and calls this function for everything else; on the twin it is this
+    function itself.
     """
     block = tracer.block
     if block is None:

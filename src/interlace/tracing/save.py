@@ -36,29 +36,19 @@ import threading
 from types import MethodType as _MethodType
 from types import ModuleType as _ModuleType
 
+from .. import _native
+
+_frames = _native.frames
+
 _NoneType = type(None)
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("interlace_trace", default=None)
 
 
-class TraceState:
-    """One trace's save set and nesting depth.
-
-    `saved` maps id -> object (the object is kept so its id cannot be reused while the trace
-    runs); nested traces share their outermost trace's `saved`, so a value saved deep inside
-    is pushed out by every enclosing trace.
-    """
-
-    __slots__ = ("saved", "depth", "parent")
-
-    def __init__(self, parent: TraceState | None):
-        self.parent = parent
-        if parent is None:
-            self.saved = {}
-            self.depth = 0
-        else:
-            self.saved = parent.saved
-            self.depth = parent.depth + 1
+# TraceState(parent): one trace's save set (`saved`, id -> object, kept so that an id cannot be
+# reused while the trace runs; nested traces share their outermost trace's) and nesting
+# `depth`. C fields natively, so that a warm trace makes it without a Python frame.
+TraceState = _frames.TraceState
 
 
 def current() -> TraceState | None:
@@ -164,7 +154,9 @@ class ObjectSave:
         return "<interlace .save() on every object>"
 
 
-OBJECT_SAVE_DESCRIPTOR = ObjectSave()
+# Natively a C descriptor: `value.save()` is one C call that marks in the current trace's state;
+# classes, modules and `.save()` outside a trace go to ObjectSave and `_object_save` above.
+OBJECT_SAVE_DESCRIPTOR = _frames.object_save(ObjectSave(), _object_save)
 _object_get = object.__dict__.get  # a live view of object's type dict
 
 
@@ -234,30 +226,24 @@ def mount() -> bool:
     return _object_get("save") is OBJECT_SAVE_DESCRIPTOR
 
 
-def enter_body(state: TraceState):
-    """Make `state` the current trace here, with `.save()` mounted; a token for `exit_body`.
-
-    Per trace: a list append and an identity check (about 0.1 us in all, measured).
-    """
-    token = _set_current(state)
-    _running_append(token)  # (list.append/remove are atomic; tokens are unhashable)
-    # Checked after registering this body: an import starting now sees it (and keeps ours on).
-    if (_Mount.importing or _object_get("save") is not OBJECT_SAVE_DESCRIPTOR) and not _Mount.unavailable:
+def _on_enter() -> None:
+    """A body starts while `.save()` is off `object` or an import runs: mount it (once a trace
+    body runs, `object.save` is ours until an import takes it off again)."""
+    if not _Mount.unavailable:
         mount()
-    return token
 
 
-def exit_body(token) -> None:
-    """Undo `enter_body` (same context); an import in progress gets `object` back without ours."""
-    _running_remove(token)
-    if _Mount.importing:
-        with _LOCK:
-            _sync()
-    _reset_current(token)
+def _on_exit() -> None:
+    """A body ends while an import runs: `object` gets its `save` back without ours."""
+    with _LOCK:
+        _sync()
 
 
-_set_current, _reset_current = _CURRENT.set, _CURRENT.reset
-_running_append, _running_remove = _Mount.running.append, _Mount.running.remove
+# enter_body(state) -> token: make `state` the current trace here, with `.save()` mounted
+# (per trace: a ContextVar set, a list append and an identity check; C natively).
+# exit_body(token): undo it (same context); an import in progress gets `object` back without ours.
+enter_body, exit_body = _frames.save_hooks(_CURRENT, _Mount.running, _Mount, OBJECT_SAVE_DESCRIPTOR,
+                                           _on_enter, _on_exit)
 
 
 def _guard_imports() -> None:

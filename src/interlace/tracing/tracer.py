@@ -51,6 +51,7 @@ from . import blocks, skip
 from .backend import Backend
 from .block import LOCALS_PARAM, Block, make_function
 from .blocks import BLOCKS
+from .deferred import DeferredBody
 from .deferred import defer as _defer
 from .save import _CURRENT, TraceState
 from .save import enter_body as _enter_body
@@ -521,6 +522,13 @@ def _clean(error: BaseException, signal) -> None:
 _check_fields(Tracer)
 _policy_enter, _policy_exit = Tracer.__enter__, Tracer.__exit__  # (benchmarks and tests use them)
 _policy_aenter, _policy_aexit = Tracer.__aenter__, Tracer.__aexit__
+# The per-trace steps a backend calls, the same way: natively C methods for the warm case
+# (`defer()` while __exit__ runs, `push_result`, a plain `run()` of a warm site) that call
+# these Python methods for everything else; on the twin these are the methods.
+_policy_defer, _policy_push_result, _policy_run = _defer, Tracer.push_result, DeferredBody.run
+Tracer.defer, Tracer.push_result, DeferredBody.run = _frames.deferred_methods(
+    Tracer, DeferredBody, _policy_defer, _policy_push_result, _policy_run, LOCALS_PARAM,
+)
 _frames.look_past(_policy_enter.__code__)
 _frames.look_past(_policy_aenter.__code__)
 Tracer.__enter__, Tracer.__exit__, Tracer.__aenter__, Tracer.__aexit__ = _frames.tracer_methods(
