@@ -204,8 +204,30 @@ def outermost(fn):
     return ilh_outermost(fn)
 
 
+# What a mediator's start needs from greenlet and torch, and the policy for a new worker:
+# given once by intervention.mediator (`configure`); this module stays free of both.
+cdef object _getcurrent = None
+cdef object _is_grad_enabled = None
+cdef object _set_grad_enabled = None
+cdef object _new_worker = None
+cdef object _idle_workers = None
+
+
+def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers):
+    """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
+    and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
+    `idle_workers()` (this thread's pool, when `start` is given none)."""
+    global _getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, _idle_workers
+    _getcurrent = getcurrent
+    _is_grad_enabled = is_grad_enabled
+    _set_grad_enabled = set_grad_enabled
+    _new_worker = new_worker
+    _idle_workers = idle_workers
+
+
 cdef class MediatorCore:
-    """The fields of a mediator the exchange reads and writes as struct fields, not by name.
+    """A mediator's fields, read and written by the exchange as struct fields, not by name,
+    and the start of its body (mechanism: a pooled worker, grad modes, one switch).
 
     `intervention.mediator.Mediator` subclasses it. A subclass must not list these names in
     its own `__slots__`: a slot of the same name would hide the field, and the exchange would
@@ -219,6 +241,44 @@ cdef class MediatorCore:
     cdef public object event       # the Event being served to it right now, or None
     cdef public object body_grad   # torch grad mode the body had when it last paused
     cdef public bint finished
+    cdef public object fn          # the body: called with no argument by the subclass's `_job`
+    cdef public object error       # what the body raised (FAILED), until the run takes it
+    cdef public object label       # "trace body", "invoke 1"...: for messages
+
+    def __init__(self, fn=None, Py_ssize_t index=0, rows=None, label="trace body"):
+        self.fn = fn
+        self.index = index
+        self.rows = rows
+        self.pointer = Pointer()
+        self.worker = None
+        self.event = None
+        self.error = None
+        self.finished = False
+        self.body_grad = None
+        self.label = label
+
+    def start(self, list pool=None):
+        """Run the body (the subclass's `_job`) on a worker from `pool` (default: this
+        thread's idle workers) until its first request or its end; returns its message.
+        The body starts in the model's grad mode, and the model gets its mode back after."""
+        if pool is None:
+            pool = _idle_workers()
+        if pool:
+            worker = pool.pop()
+        else:
+            worker = _new_worker()
+        worker.parent = _getcurrent()
+        self.worker = worker
+        model_grad = _is_grad_enabled()
+        self.body_grad = model_grad
+        try:
+            message = worker.switch(self._job)
+        finally:
+            if _is_grad_enabled() != model_grad:
+                _set_grad_enabled(model_grad)
+        if message == 2 or message == 3:  # DONE, FAILED
+            release(self, pool)
+        return message
 
     def release(self, list pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle

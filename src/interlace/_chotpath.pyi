@@ -57,7 +57,20 @@ class MediatorCore:
     event: Optional[Event]
     body_grad: Optional[bool]
     finished: bool
+    fn: Any
+    error: Optional[BaseException]
+    label: Any
+    def __init__(self, fn: Any = None, index: int = 0, rows: Any = None, label: Any = "trace body") -> None: ...
+    def start(self, pool: Optional[list] = None) -> Any: ...
     def release(self, pool: Optional[list]) -> None: ...
+
+def configure(
+    getcurrent: Callable[[], Any],
+    is_grad_enabled: Callable[[], bool],
+    set_grad_enabled: Callable[[bool], Any],
+    new_worker: Callable[[], Any],
+    idle_workers: Callable[[], list],
+) -> None: ...
 
 class Event:
     key: int

@@ -174,24 +174,61 @@ def _invoke_order(mediator):
     return mediator.index
 
 
+_configured = {}  # what MediatorCore.start calls (`configure`)
+
+
+def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers):
+    """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
+    and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
+    `idle_workers()` (this thread's pool, when `start` is given none)."""
+    _configured.update(getcurrent=getcurrent, is_grad_enabled=is_grad_enabled,
+                       set_grad_enabled=set_grad_enabled, new_worker=new_worker,
+                       idle_workers=idle_workers)
+
+
 class MediatorCore:
-    """The fields of a mediator the exchange reads and writes as struct fields, not by name.
+    """A mediator's fields, read and written by the exchange as struct fields, not by name,
+    and the start of its body (mechanism: a pooled worker, grad modes, one switch).
 
     `intervention.mediator.Mediator` subclasses it. A subclass must not list these names in
     its own `__slots__`: a slot of the same name would hide the field, and the exchange would
     go on reading the field while Python code writes the slot.
     """
 
-    __slots__ = ("index", "rows", "pointer", "worker", "event", "body_grad", "finished")
+    __slots__ = ("index", "rows", "pointer", "worker", "event", "body_grad", "finished",
+                 "fn", "error", "label")
 
-    def __init__(self):
-        self.index = 0
-        self.rows = None
-        self.pointer = None
+    def __init__(self, fn=None, index=0, rows=None, label="trace body"):
+        self.fn = fn
+        self.index = index
+        self.rows = rows
+        self.pointer = Pointer()
         self.worker = None
         self.event = None
-        self.body_grad = None
+        self.error = None
         self.finished = False
+        self.body_grad = None
+        self.label = label
+
+    def start(self, pool=None):
+        """Run the body (the subclass's `_job`) on a worker from `pool` (default: this
+        thread's idle workers) until its first request or its end; returns its message.
+        The body starts in the model's grad mode, and the model gets its mode back after."""
+        c = _configured
+        if pool is None:
+            pool = c["idle_workers"]()
+        worker = pool.pop() if pool else c["new_worker"]()
+        worker.parent = c["getcurrent"]()
+        self.worker = worker
+        model_grad = self.body_grad = c["is_grad_enabled"]()
+        try:
+            message = worker.switch(self._job)
+        finally:
+            if c["is_grad_enabled"]() != model_grad:
+                c["set_grad_enabled"](model_grad)
+        if message == DONE or message == FAILED:
+            self.release(pool)
+        return message
 
     def release(self, pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle

@@ -255,10 +255,11 @@ class Interleaver(hotpath.Exchange):
 
     def _start(self):
         """Run each body, in invoke order, until its first request (or its end)."""
+        pool = self.pool
         for mediator in self.mediators:
             self.current = mediator
             try:
-                message = mediator.start()
+                message = mediator.start(pool)
             finally:
                 self.current = None
             if type(message) is attach.WatchedCall:

@@ -100,67 +100,39 @@ _BELOW = 256 * 1024
 
 
 def _new_worker():
+    """A worker for `Mediator.start` when this thread's pool is empty."""
     # Its first native frame is `hotpath.outermost`'s, which ends every unwind of its C stack
-    # (natively, on x86-64 and aarch64 Linux; see `Mediator.start`).
+    # (natively, on x86-64 and aarch64 Linux).
     worker = greenlet(hotpath.outermost)
     if UNWIND_STOP:  # runs to its first wait, holding no job
         hotpath.call_below(_BELOW, partial(worker.switch, _worker_loop))
     else:
         worker.switch(_worker_loop)
+    # A worker made while another trace body runs (a trace nested in a Tracer's body) starts
+    # deeper in the C stack than a later trace would resume it from. When torch raises inside
+    # a body, its error (c10::Error) records a native backtrace, and an unwinder that walks on
+    # past the worker's first frame reads dead frames of the trace that made it, which
+    # crashes the process. Where `hotpath.outermost` ends the walk (UNWIND_STOP) the worker
+    # is pooled; elsewhere it does this one job only (see docs/architecture.md, "Where a
+    # trace's time goes").
+    worker.single_use = not UNWIND_STOP and _trace_running() is not None
     return worker
 
 
 class Mediator(hotpath.MediatorCore):
     """One body, its iteration pointer, and the event it is being served right now.
 
-    The fields the event exchange switches on (index, rows, pointer, worker, event,
-    body_grad, finished) are `hotpath.MediatorCore`'s; only the others are slots here.
+    `Mediator(fn, index=0, rows=None, label="trace body")`. Every field (fn, index, rows:
+    the slice of the batch this body sees or None, pointer, worker, event, error, finished,
+    body_grad: the grad mode the body had when it last paused, label) is
+    `hotpath.MediatorCore`'s, as is `start(pool=None)`: run the body on a pooled worker until
+    its first request (or its end) and return its message. The policy it calls (a new
+    worker, this thread's pool) is given to it below (`hotpath.configure`).
     """
 
-    __slots__ = ("fn", "error", "label")
-
-    def __init__(self, fn, index=0, rows=None, label="trace body"):
-        self.fn = fn
-        self.index = index
-        self.rows = rows  # slice of the batch this body sees, or None for all rows
-        self.pointer = hotpath.Pointer()
-        self.worker = None
-        self.event = None
-        self.error = None
-        self.finished = False
-        self.body_grad = None  # the grad mode the body had when it last paused
-        self.label = label
+    __slots__ = ()
 
     # -- model side -------------------------------------------------------------------
-
-    def start(self):
-        """Run the body until its first request (or its end). Returns a message."""
-        idle = _pool.idle
-        if idle:
-            worker = idle.pop()
-        else:
-            worker = _new_worker()
-            # A worker made while another trace body runs (a trace nested in a Tracer's body)
-            # starts deeper in the C stack than a later trace would resume it from. When torch
-            # raises inside a body, its error (c10::Error) records a native backtrace, and an
-            # unwinder that walks on past the worker's first frame reads dead frames of the
-            # trace that made it, which crashes the process. Where `hotpath.outermost` ends
-            # the walk (UNWIND_STOP) the worker is pooled; elsewhere it does this one job only
-            # (see docs/architecture.md, "Where a trace's time goes").
-            worker.single_use = not UNWIND_STOP and _trace_running() is not None
-        worker.parent = getcurrent()
-        self.worker = worker
-        # `_enter(self._job)` inlined (one call less per trace): the body starts in the
-        # model's grad mode, so there is nothing to swap before the switch.
-        model_grad = self.body_grad = _is_grad_enabled()
-        try:
-            message = worker.switch(self._job)
-        finally:
-            if _is_grad_enabled() != model_grad:
-                _set_grad_enabled(model_grad)
-        if message == DONE or message == FAILED:
-            self._release()
-        return message
 
     def resume(self, payload=None):
         """Hand `payload` to the parked body and run it until it parks again or ends."""
@@ -231,3 +203,6 @@ class Mediator(hotpath.MediatorCore):
                 # hence the model, alive after the user drops the error, until gc runs.
                 payload = None
         return payload
+
+
+hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers)
