@@ -74,8 +74,10 @@ class ItemBody:
         if body is None:  # one deferred body per sweep: items differ only in their save state
             body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
         # `run` enters the state it finds; `results` reads it after the other items of the
-        # batch have run theirs, so it is set again there.
-        state = body.state = TraceState(None)
+        # batch have run theirs, so it is set again there. A state is reused once its item
+        # has finished (`Job.states`): only its `saved` set is per item, and it is emptied.
+        states = job.states
+        state = body.state = states.pop() if states else TraceState(None)
         values = None
         try:
             values = body.run()
@@ -89,6 +91,8 @@ class ItemBody:
             if values is not None:
                 body.state = state
                 self.saved = body.results(values)
+                state.saved.clear()
+                states.append(state)
 
 
 def name_item(error, index, item):

@@ -67,6 +67,7 @@ class Job:
         self.eos = tuple(eos)
         self.store = store  # with save_to=: the folder (store.py)
         self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
+        self.states = []  # save states of finished items, for the next items (body.ItemBody)
 
     def entries(self, model, items):
         """`items` as Entries (each with its inputs and batch key), made lazily; an item whose
