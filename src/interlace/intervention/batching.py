@@ -18,20 +18,23 @@ batch raises `RunAlone` (the engine then runs the items alone). docs/batching.md
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import namedtuple
 
 import torch
 
 from ..errors import BatchingError  # re-exported: its home is interlace.errors
 
 
-@dataclass
-class Prepared:
-    """One invoke's inputs as the model will take them, and how many batch rows they make."""
+class Prepared(namedtuple("Prepared", ("args", "kwargs", "rows"))):
+    """One invoke's inputs as the model will take them (`args`, `kwargs`), and how many batch
+    rows they make (`rows`).
 
-    args: tuple
-    kwargs: dict
-    rows: int
+    A named tuple: `Batcher.prepare` makes one per invoke (per sweep item) with one C call,
+    `_prepared(Prepared, (args, kwargs, rows))`, where a class with an `__init__` costs a
+    Python frame. A batcher may keep more on it (LanguageModel's: the tokenized prompt)."""
+
+
+_prepared = tuple.__new__
 
 
 def rows_of(value, dim=0):
@@ -84,18 +87,21 @@ class Batcher:
                     )
         first = args[0] if args else None
         if isinstance(first, torch.Tensor) and first.dim() > dim:  # the common case: rows_of's answer
-            return Prepared(tuple(args), dict(kwargs), first.shape[dim])
+            return _prepared(Prepared, (tuple(args), dict(kwargs), first.shape[dim]))
         rows = rows_of(args, self.dim)
         if rows is None:
             rows = rows_of(kwargs, self.dim)
-        return Prepared(tuple(args), dict(kwargs), rows if rows is not None else 1)
+        return _prepared(Prepared, (tuple(args), dict(kwargs), rows if rows is not None else 1))
 
     def batch(self, prepared):
         if len(prepared) == 1:
             return prepared[0].args, prepared[0].kwargs
         first = prepared[0]
+        n_args, names = len(first.args), first.kwargs.keys()
         for i, p in enumerate(prepared[1:], 1):
-            if len(p.args) != len(first.args) or p.kwargs.keys() != first.kwargs.keys():
+            kwargs = p.kwargs
+            if len(p.args) != n_args or len(kwargs) != len(names) or (
+                    names and kwargs.keys() != names):
                 raise BatchingError(
                     f"cannot batch invokes: invoke 0 passes {len(first.args)} positional "
                     f"argument(s) and keywords {sorted(first.kwargs)}, invoke {i} passes "
@@ -122,9 +128,15 @@ class Batcher:
         first = values[0]
         dim = self.dim
         if isinstance(first, torch.Tensor):
+            rest = first.shape[:dim] + first.shape[dim + 1:]
+            same = True  # every value is `first` (a shared input: every sweep item's tensor)
             for i, value in enumerate(values):
+                if value is first and i:
+                    continue
+                if i:
+                    same = False
                 if not isinstance(value, torch.Tensor) or value.dim() <= dim or (
-                    value.shape[:dim] + value.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]
+                    value.shape[:dim] + value.shape[dim + 1:] != rest
                 ):
                     where = "the first" if dim == 0 else f"the batch dimension ({dim})"
                     raise BatchingError(
@@ -132,6 +144,10 @@ class Batcher:
                         f"{_describe(value)} in invoke {i}; batched inputs must agree in every "
                         f"dimension but {where} (pad them, or run separate traces)"
                     )
+            if same and first.is_contiguous():  # one tensor n times: one op, not n in a list
+                repeats = [1] * first.dim()
+                repeats[dim] = len(values)
+                return first.repeat(repeats)
             return torch.cat(values, dim=dim)
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) or not _same(value, first):

@@ -23,22 +23,32 @@ from ..tracing.tracer import is_interlace_file
 
 
 class ItemBody:
-    """The mediator's job for one item: run the body, keep what it saved.
+    """One item: the runner's entry (its position `index`, the `item`, its forward's `args`
+    and `kwargs`, its batch `key`; `runner.Entry` is this class) and the mediator's job that
+    runs the body for it (the batch's `run_batch` sets its `job`). One object per item, made
+    once when the item is drawn, also when its batch runs again (a retry or a run alone).
 
     `saved` is the name -> value mapping of the names the body assigned *and* saved (set when
-    the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved). An
-    error the body raises is marked with the item (`item_of`).
+    the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved;
+    `run_batch` takes it). An error the body raises is marked with the item (`item_of`).
     """
 
-    __slots__ = ("job", "index", "item", "saved", "iter_rows", "observers")
+    __slots__ = ("index", "item", "args", "kwargs", "key", "job", "saved", "iter_rows",
+                 "observers")
 
-    def __init__(self, job, index, item):
-        self.job = job
+    def __init__(self, index, item, args, kwargs, key):
         self.index = index
         self.item = item
+        self.args = args
+        self.kwargs = kwargs
+        self.key = key
+        self.job = None
         self.saved = None
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
         self.observers = None  # [(key, fn)] its `sweep.cache()` recorders, once it made one
+
+    def __reduce__(self):  # what travels to a Ray worker: the entry, not its run
+        return (ItemBody, (self.index, self.item, self.args, self.kwargs, self.key))
 
     def stop(self, interleaver):
         """End this item's run here, as `tracer.stop()` ends a trace of it alone: the body
@@ -58,13 +68,16 @@ class ItemBody:
         raise StopSignal()
 
     def __call__(self):
+        self.saved = self.iter_rows = self.observers = None  # this run's, not an earlier one's
         job = self.job
         body = job.body
         if body is None:  # one deferred body per sweep: items differ only in their save state
             body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
         # `run` enters the state it finds; `results` reads it after the other items of the
-        # batch have run theirs, so it is set again there.
-        state = body.state = TraceState(None)
+        # batch have run theirs, so it is set again there. A state is reused once its item
+        # has finished (`Job.states`): only its `saved` set is per item, and it is emptied.
+        states = job.states
+        state = body.state = states.pop() if states else TraceState(None)
         values = None
         try:
             values = body.run()
@@ -78,6 +91,8 @@ class ItemBody:
             if values is not None:
                 body.state = state
                 self.saved = body.results(values)
+                state.saved.clear()
+                states.append(state)
 
 
 def name_item(error, index, item):

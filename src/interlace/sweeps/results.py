@@ -40,13 +40,21 @@ class SweepResults(Mapping):
 
     def add(self, item, values):
         """Record one finished item's saved values (items arrive in order)."""
+        self.extend((item,), (values,))
+
+    def extend(self, items, values):
+        """Record finished items' saved values, `values[i]` for `items[i]` (in order): a
+        batch's in one call."""
+        columns = self._columns
         n = len(self.finished)
-        for name in values:
-            if name not in self._columns:
-                self._columns[name] = [None] * n
-        for name, column in self._columns.items():
-            column.append(values.get(name))
-        self.finished.append(item)
+        for saved in values:
+            for name in saved:
+                if name not in columns:
+                    columns[name] = [None] * n
+            for name, column in columns.items():
+                column.append(saved.get(name))
+            n += 1
+        self.finished.extend(items)
 
     def __getitem__(self, name):
         try:

@@ -37,7 +37,7 @@ from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
 from ..intervention.access import engine_of, module_of
 from .body import ItemBody, item_of, name_item
-from .inputs import split
+from .inputs import Inputs, split
 from .results import compact
 
 _CPU_TOKENS = 2048  # tokens per batch on a CPU: per row, 1-2k-token batches were fastest
@@ -67,45 +67,42 @@ class Job:
         self.eos = tuple(eos)
         self.store = store  # with save_to=: the folder (store.py)
         self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
+        self.states = []  # save states of finished items, for the next items (body.ItemBody)
 
-    def entry(self, model, index, item, keys=None):
-        """The item with its inputs and batch key (`keys` caches keys by input identity)."""
+    def entries(self, model, items):
+        """`items` as Entries (each with its inputs and batch key), made lazily; an item whose
+        input cannot be made raises, named (and ends the stream).
+
+        One generator step per item does it all (the input, `split`, the key, cached by
+        input identity: a shared input is keyed once)."""
         source = self.input
-        try:
-            if source is None:
-                value = item
-            elif callable(source) and not isinstance(source, torch.nn.Module):
-                value = source(item)
-            else:
-                value = source
-            args, kwargs = split(value, self.kwargs)
-            cached = None if keys is None else keys.get(id(value))
-            if cached is not None and cached[0] is value:  # a shared input: one key
-                key = cached[1]
-            else:
-                key = batch_key(model, args, kwargs)
-                if keys is not None:
+        per_item = callable(source) and not isinstance(source, torch.nn.Module)
+        shared = self.kwargs
+        keys = {}
+        for index, item in enumerate(items):
+            try:
+                value = item if source is None else source(item) if per_item else source
+                if isinstance(value, Inputs):
+                    args, kwargs = split(value, shared)
+                else:
+                    args, kwargs = (value,), shared
+                cached = keys.get(id(value))
+                if cached is not None and cached[0] is value:  # a shared input: one key
+                    key = cached[1]
+                else:
+                    key = batch_key(model, args, kwargs)
+                    if len(keys) > 1024:
+                        keys.clear()
                     keys[id(value)] = (value, key)
-        except Exception as error:
-            name_item(error, index, item)
-            raise
-        return Entry(index, item, args, kwargs, key)
+            except Exception as error:
+                name_item(error, index, item)
+                raise
+            yield Entry(index, item, args, kwargs, key)
 
 
-class Entry:
-    """One item ready to run: its position, the item, its inputs, its batch key."""
-
-    __slots__ = ("index", "item", "args", "kwargs", "key")
-
-    def __init__(self, index, item, args, kwargs, key):
-        self.index = index
-        self.item = item
-        self.args = args
-        self.kwargs = kwargs
-        self.key = key
-
-    def __reduce__(self):
-        return (Entry, (self.index, self.item, self.args, self.kwargs, self.key))
+Entry = ItemBody
+"""One item ready to run: `Entry(index, item, args, kwargs, key)` (its position, the item, its
+inputs, its batch key). The item's body too (`body.ItemBody`): one object per item."""
 
 
 class _Recording:
@@ -177,17 +174,23 @@ def run_batch(model, job, entries):
     Raises what the batch raised; an error an item's body raised carries the item (see
     `body.item_of`).
     """
-    bodies = [ItemBody(job, entry.index, entry.item) for entry in entries]
-    runs = [(body, entry.args, entry.kwargs) for body, entry in zip(bodies, entries)]
+    runs = []
+    for entry in entries:  # each entry is its item's body (an ItemBody)
+        entry.job = job
+        runs.append((entry, entry.args, entry.kwargs))
     out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
                                       edits=replays(model))
-    saved = [compact(body.saved or {}) for body in bodies]
-    if job.generate and len(bodies) > 1:
+    saved = []
+    for entry in entries:  # nothing of the run stays on the entry (it may wait to be committed)
+        values = entry.saved
+        entry.saved = entry.observers = None
+        saved.append(compact(values) if values else {})
+    if job.generate and len(entries) > 1:
         # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
         # loop, steps it would not have had alone: run it alone again.
-        for position, body in enumerate(bodies):
-            if body.iter_rows is not None and _ended_early(job, out, body.iter_rows):
-                saved[position] = run_batch(model, job, [entries[position]])[0]
+        for position, entry in enumerate(entries):
+            if entry.iter_rows is not None and _ended_early(job, out, entry.iter_rows):
+                saved[position] = run_batch(model, job, [entry])[0]
     return saved
 
 
@@ -312,12 +315,12 @@ class Runner:
             return
         if self.engine.ran_alone != ran_alone:
             self.size = 1  # items read a value reduced over the batch: they run alone anyway
-        for entry, values in zip(entries, saved):
-            done(entry, values)
+        done.many(entries, saved)
 
 
 class InOrder:
-    """Hands finished items to `commit(entry, values)` in item order (batches finish in any).
+    """Hands finished items to `commit(entries, values)` in item order (batches finish in
+    any order): `self(entry, values)` for one item, `many(entries, values)` for a batch's.
 
     `skip(index)`: an item finished by an earlier run of the sweep (`save_to=`), not run again.
     """
@@ -334,11 +337,22 @@ class InOrder:
         if index < self.next or index in self.waiting:
             return  # finished already (a retried batch): recorded once
         if index == self.next and not self.waiting:  # the common case: the next one, in order
-            self.commit(entry, values)
+            self.commit((entry,), (values,))
             self.next = index + 1
             return
         self.waiting[index] = (entry, values)
         self._advance()
+
+    def many(self, entries, values):
+        """A batch's finished entries (in item order) and their values. The common case, a
+        batch of the next items in a row with nothing waiting, is one `commit`."""
+        first = entries[0].index if entries else None
+        if first == self.next and not self.waiting and entries[-1].index - first == len(entries) - 1:
+            self.commit(entries, values)
+            self.next = first + len(entries)
+            return
+        for entry, saved in zip(entries, values):
+            self(entry, saved)
 
     def skip(self, index):
         self.waiting[index] = self._SKIPPED
@@ -348,7 +362,7 @@ class InOrder:
         while self.next in self.waiting:
             waiting = self.waiting.pop(self.next)
             if waiting is not self._SKIPPED:
-                self.commit(*waiting)
+                self.commit((waiting[0],), (waiting[1],))
             self.next += 1
 
     def has(self, index):

@@ -71,6 +71,7 @@ class SweepTracer(IterMixin, Tracer):
         self._kwargs = kwargs or {}
         self._eos = tuple(eos)
         self._job = None
+        self._engine = None  # engine_of(model), once `_body` needs it (per item otherwise)
 
     # -- inside the body ------------------------------------------------------------------
 
@@ -151,7 +152,9 @@ class SweepTracer(IterMixin, Tracer):
     def _body(self, what):
         """The running item's body: read in the sweep body, or in the body of a trace of
         another model nested in it (which runs inside the item's body)."""
-        engine = engine_of(self.model)
+        engine = self._engine
+        if engine is None:
+            engine = self._engine = engine_of(self.model)
         interleaver = engine.running
         mediator = None if interleaver is None else interleaver.current
         if mediator is None or mediator.worker is not getcurrent():  # not the item's own code
@@ -183,7 +186,7 @@ class SweepTracer(IterMixin, Tracer):
     def __getstate__(self):
         state = super().__getstate__()
         state.update(model=None, items=None, input=None, executor=None, results=None,
-                     _run=None, _job=None, save_to=None)
+                     _run=None, _job=None, _engine=None, save_to=None)
         return state
 
     def __repr__(self):

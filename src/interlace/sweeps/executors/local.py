@@ -56,17 +56,18 @@ def entries_of(sweep, job, done):
     With `save_to=`, an item an earlier run finished is checked against the one on disk and
     handed to `done.skip` instead (its body does not run again).
     """
-    keys = {}
-    model = sweep.model
+    entries = job.entries(sweep.model, sweep.items)
     store = job.store
-    for index, item in enumerate(sweep.items):
-        if len(keys) > 1024:
-            keys.clear()
-        entry = job.entry(model, index, item, keys)
-        if store is not None and store.skips(job, entry):
-            done.skip(index)
-            continue
-        yield entry
+    if store is None:
+        return entries
+    return (entry for entry in entries if not _skipped(store, job, entry, done))
+
+
+def _skipped(store, job, entry, done):
+    if store.skips(job, entry):
+        done.skip(entry.index)
+        return True
+    return False
 
 
 def committer(sweep, job, bar):
@@ -77,13 +78,14 @@ def committer(sweep, job, bar):
     start = time.perf_counter()
     last = [start]
 
-    def commit(entry, values):
+    def commit(entries, values):
         if store is None:
-            results.add(entry.item, values)
+            results.extend([entry.item for entry in entries], values)
         else:
-            store.commit(job, entry, values)
+            for entry, saved in zip(entries, values):
+                store.commit(job, entry, saved)
         if bar is not None:
-            bar.update(1)
+            bar.update(len(entries))
             now = time.perf_counter()
             if store is not None and now - last[0] > 0.5:
                 last[0] = now

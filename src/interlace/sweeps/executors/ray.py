@@ -496,6 +496,10 @@ class _Worker:
                 # a worker's GPU is not the driver's: results travel back on the CPU
                 finished.append((entry.index, to_cpu(values) if on_gpu else values))
 
+            def many(self, entries, values):
+                for entry, saved in zip(entries, values):
+                    self(entry, saved)
+
             def has(self, index):
                 return any(i == index for i, _ in finished)
 
