@@ -54,7 +54,7 @@ def assert_freed(run, where="main"):
     create what torch and transformers build lazily on first use.
     """
     run()
-    mediator._pool.idle.clear()
+    mediator.WORKERS.idle.clear()
     gc.collect()
     with collector_off():
         before = live_tensors()

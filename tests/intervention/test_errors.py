@@ -164,7 +164,7 @@ def test_keyboard_interrupt_during_forward_leaves_model_clean(mlp, x6):
 
     module = Interrupting()
     model = interlace.Model(module)
-    idle_before = len(mediator_module._pool.idle)
+    idle_before = len(mediator_module.WORKERS.idle)
     for _ in range(2):
         module.armed = True
         with pytest.raises(KeyboardInterrupt):
@@ -174,8 +174,8 @@ def test_keyboard_interrupt_during_forward_leaves_model_clean(mlp, x6):
         assert_clean(module)
         assert engine_of(model).running is None and not engine_of(model).lock.locked()
         # the parked body was unwound and its worker returned to the pool, not left suspended
-        assert len(mediator_module._pool.idle) >= max(idle_before, 1)
-        assert all(not w.dead and w.gr_frame is not None for w in mediator_module._pool.idle)
+        assert len(mediator_module.WORKERS.idle) >= max(idle_before, 1)
+        assert all(not w.dead and w.gr_frame is not None for w in mediator_module.WORKERS.idle)
     module.armed = False
     with torch.no_grad(), model.trace(x6):
         out = model.output.save()
@@ -190,7 +190,7 @@ def test_no_suspended_greenlet_after_errors(mlp, mlp_model, x6):
     gc.collect()
     suspended = [
         g for g in gc.get_objects()
-        if issubclass(type(g), greenlet.greenlet) and g and g not in mediator_module._pool.idle
+        if issubclass(type(g), greenlet.greenlet) and g and g not in mediator_module.WORKERS.idle
         and g is not greenlet.getcurrent()
     ]
     assert suspended == []

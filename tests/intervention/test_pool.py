@@ -15,7 +15,7 @@ from interlace.intervention.mediator import UNWIND_STOP
 def _suspended_outside_the_pool():
     gc.collect()
     return [g for g in gc.get_objects()
-            if issubclass(type(g), greenlet.greenlet) and g and g not in mediator._pool.idle
+            if issubclass(type(g), greenlet.greenlet) and g and g not in mediator.WORKERS.idle
             and g is not greenlet.getcurrent()]
 
 
@@ -31,27 +31,27 @@ def test_more_invokes_than_the_pool_keeps_leave_no_worker_behind(mlp, mlp_model)
                     outs.append(mlp_model.output)
         with torch.no_grad():
             assert all(torch.allclose(o, mlp(x), atol=1e-6) for o, x in zip(outs, xs))
-    assert len(mediator._pool.idle) == hotpath.POOL_MAX
+    assert len(mediator.WORKERS.idle) == hotpath.POOL_MAX
     assert len(_suspended_outside_the_pool()) == before
 
 
 def test_dropping_the_pool_frees_its_workers(mlp_model, x6):
     with torch.no_grad(), mlp_model.trace(x6):
         out = mlp_model.output.save()  # noqa: F841
-    assert mediator._pool.idle
-    mediator._pool.idle.clear()
+    assert mediator.WORKERS.idle
+    mediator.WORKERS.idle.clear()
     assert _suspended_outside_the_pool() == []
 
 
 def _workers_of_a_nested_then_a_top_level_trace(model, x, ref):
     """The greenlets that ran a trace nested in a Tracer's body, then a top-level trace."""
-    mediator._pool.idle.clear()
+    mediator.WORKERS.idle.clear()
     ran_on = []
     with torch.no_grad(), interlace.Tracer():
         with model.trace(x):
             ran_on.append(greenlet.getcurrent())
             first = model.output.save()
-    pooled = list(mediator._pool.idle)
+    pooled = list(mediator.WORKERS.idle)
     with torch.no_grad(), model.trace(x):
         ran_on.append(greenlet.getcurrent())
         second = model.output.save()
@@ -65,14 +65,14 @@ def _workers_of_a_nested_then_a_top_level_trace(model, x, ref):
 def test_a_worker_made_inside_a_trace_body_is_reused_natively(mlp, mlp_model, x6):
     (nested, top), pooled = _workers_of_a_nested_then_a_top_level_trace(mlp_model, x6, mlp)
     assert pooled == [nested] and top is nested
-    assert mediator._pool.idle == [nested]
+    assert mediator.WORKERS.idle == [nested]
 
 
 @pytest.mark.skipif(UNWIND_STOP, reason="workers start in the unwind-terminating trampoline")
 def test_a_worker_made_inside_a_trace_body_is_not_reused_on_the_twin(mlp, mlp_model, x6):
     (nested, top), pooled = _workers_of_a_nested_then_a_top_level_trace(mlp_model, x6, mlp)
     assert pooled == [] and top is not nested
-    assert mediator._pool.idle == [top]
+    assert mediator.WORKERS.idle == [top]
 
 
 _NESTED_THEN_RAISE = """
@@ -101,9 +101,9 @@ def nested(depth):
 
 raised = reused = 0
 for depth in range(8):
-    mediator._pool.idle.clear()
+    mediator.WORKERS.idle.clear()
     nested(depth)
-    (worker,) = mediator._pool.idle  # made inside the Tracer's body, and pooled
+    (worker,) = mediator.WORKERS.idle  # made inside the Tracer's body, and pooled
     for i in range(25):
         try:
             with model.trace(ids):
@@ -118,7 +118,7 @@ for depth in range(8):
                 torch.mm(value[0], torch.ones(3, 3))  # c10::Error: shapes cannot be multiplied
         except RuntimeError:
             raised += 1
-        reused += mediator._pool.idle == [worker]
+        reused += mediator.WORKERS.idle == [worker]
 print(raised, reused)
 """
 
@@ -165,7 +165,7 @@ def test_a_worker_started_below_runs_bodies_of_threads_with_small_stacks(mlp, ml
     out = []
 
     def trace():
-        mediator._pool.idle.clear()
+        mediator.WORKERS.idle.clear()
         with torch.no_grad(), mlp_model.trace(x6):
             value = mlp_model.output.save()
         out.append(value)

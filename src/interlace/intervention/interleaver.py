@@ -42,7 +42,7 @@ from .mediator import (
     StopSignal,
     _is_grad_enabled,
     _set_grad_enabled,
-    idle_workers,
+    WORKERS,
 )
 from .sharing import Sharing, shares
 
@@ -174,7 +174,7 @@ class Interleaver(hotpath.Exchange):
         learning = state.order is None
         self.hub = hub = hotpath.Hub(state.nkeys, 0, state.visits, state.positions, learning)
         # (a body that ends goes back to this thread's idle workers without a `message`)
-        self.begin(hub, threading.get_ident(), root_call, idle_workers())
+        self.begin(hub, threading.get_ident(), root_call, WORKERS.idle)
         # The run's policy, called by its hooks (cleared at teardown: bound methods of self).
         self.routed = self._routed
         self.message = self._message

@@ -57,7 +57,7 @@ class _Pool(threading.local):
         self.idle = []
 
 
-_pool = _Pool()
+WORKERS = _Pool()  # `WORKERS.idle`: this thread's idle workers
 # Idle workers are kept per thread, up to `hotpath.POOL_MAX`: enough for a trace with that
 # many invokes to start none (a new greenlet costs a creation and a first switch); an idle
 # one holds only its short saved stack, a few kB.
@@ -65,7 +65,7 @@ _pool = _Pool()
 
 def idle_workers() -> list:
     """This thread's idle workers (a run's exchange releases its ended bodies' workers here)."""
-    return _pool.idle
+    return WORKERS.idle
 
 
 def _worker_loop():
@@ -164,7 +164,7 @@ class Mediator(hotpath.MediatorCore):
             self.worker = None
 
     def _release(self):
-        self.release(_pool.idle)  # (compiled: the exchange does this itself for a body that ends)
+        self.release(WORKERS.idle)  # (compiled: the exchange does this itself for a body that ends)
 
     # -- body side ----------------------------------------------------------------------
 
