@@ -2,6 +2,8 @@
 
     python benchmarks/probes/steps.py              # tiny GPT-2, save layer 0's output (save_one)
     python benchmarks/probes/steps.py --traces 20  # more traces (the counts barely move)
+    python benchmarks/probes/steps.py --forward identity  # a forward of no torch op: whole
+                                                          # counts stable to a few hundred
 
 Issue 20 asks for interlace's fixed steps measured one by one against the prototype (a tapped,
 reused greenlet written by hand, `benchmarks/prototype.py`). Timing them one by one is hopeless
@@ -99,7 +101,32 @@ def build_helper(folder):
 
 # -- inside callgrind ---------------------------------------------------------------------
 
-def inside(folder, traces):
+class _Identity:
+    """`--forward identity`: a two-block net whose forward runs no torch op, so that the whole
+    trace's count is interlace's alone. With tiny GPT-2 the count moves by +-30k between
+    builds that change nothing in the forward: MKL's matmul takes different paths with the
+    tensors' alignment, which every allocation before it moves."""
+
+    @staticmethod
+    def build(torch):
+        class Block(torch.nn.Module):
+            def forward(self, x):
+                return x
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.h = torch.nn.ModuleList([Block(), Block()])
+
+            def forward(self, x):
+                for block in self.h:
+                    x = block(x)
+                return x
+
+        return Net().eval(), torch.zeros(1, 4)
+
+
+def inside(folder, traces, forward="gpt2"):
     import ctypes
 
     import torch
@@ -146,17 +173,27 @@ def inside(folder, traces):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0,
-                        eos_token_id=0)
-    module = GPT2LMHeadModel(config).eval()
-    ids = torch.randint(0, 1000, (1, 16))
-    model = interlace.Model(module)
-    block = module.transformer.h[0]
+    if forward == "identity":
+        module, ids = _Identity.build(torch)
+        model = interlace.Model(module)
+        block = module.h[0]
 
-    def trace():
-        with model.trace(ids):
-            out = model.transformer.h[0].output.save()
-        return out
+        def trace():
+            with model.trace(ids):
+                out = model.h[0].output.save()
+            return out
+    else:
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0,
+                            eos_token_id=0)
+        module = GPT2LMHeadModel(config).eval()
+        ids = torch.randint(0, 1000, (1, 16))
+        model = interlace.Model(module)
+        block = module.transformer.h[0]
+
+        def trace():
+            with model.trace(ids):
+                out = model.transformer.h[0].output.save()
+            return out
 
     whole = wrap("trace, whole", trace)
 
@@ -213,7 +250,7 @@ def dumps(folder):
     return counts
 
 
-def table(folder):
+def table(folder, forward="gpt2"):
     with open(os.path.join(folder, "log.json")) as f:
         data = json.load(f)
     counts = dumps(folder)
@@ -261,7 +298,8 @@ def table(folder):
         own = (inclusive[name] - inner[name] * per_mark) / traces
         over = own - raw if name == "trace, whole" else None
         rows.append((("  " * depth[name]) + name, calls[name] / traces, own, over))
-    print(f"instructions per trace (callgrind), tiny GPT-2, save layer 0's output, {traces} warm traces;"
+    shape = "a 2-block identity net (no torch op)" if forward == "identity" else "tiny GPT-2"
+    print(f"instructions per trace (callgrind), {shape}, save block 0's output, {traces} warm traces;"
           f" one mark costs {per_mark:,.0f} (subtracted)\n")
     print("| step | calls per trace | instructions | over the raw forward |")
     print("|---|---:|---:|---:|")
@@ -273,10 +311,13 @@ def table(folder):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=int, default=10)
+    parser.add_argument("--forward", choices=("gpt2", "identity"), default="gpt2",
+                        help="the model traced: tiny GPT-2, or a net whose forward runs no torch "
+                             "op (its whole-trace count is stable to a few hundred instructions)")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        inside(args.inside, args.traces)
+        inside(args.inside, args.traces, args.forward)
         return
     folder = tempfile.mkdtemp(prefix="interlace-steps-")
     try:
@@ -286,12 +327,13 @@ def main():
             return
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                    f"--callgrind-out-file={os.path.join(folder, 'cg.out')}", sys.executable,
-                   os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces)]
+                   os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces),
+                   "--forward", args.forward]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             print(done.stderr[-3000:])
             sys.exit(done.returncode)
-        table(folder)
+        table(folder, args.forward)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
