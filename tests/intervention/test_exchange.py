@@ -55,7 +55,7 @@ class Harness:
         self.ex.begin(self.hub, threading.get_ident())
 
         class Body(hp.MediatorCore):
-            __slots__ = ("fn", "error", "log")
+            __slots__ = ("log",)  # fn and error are the core's fields
 
         self.Body = Body
 
@@ -85,7 +85,7 @@ class Harness:
 
     def close(self):
         for body in self.bodies:
-            if not body.worker.dead:
+            if body.worker is not None and not body.worker.dead:  # (None: released to a pool)
                 body.worker.throw()  # GreenletExit: unwinds it
             body.worker = None
         self.bodies = []
@@ -496,3 +496,95 @@ def test_wait_for_parks_switches_and_raises_what_the_model_side_throws(hp):
     assert seen[1] == ("stop",) and [type(p) for p in received] == [KeyError]
     with pytest.raises(RuntimeError, match="outside a run"):
         hp.Exchange(torch.is_grad_enabled, torch._C._set_grad_enabled).wait_for(mediator, 1, 0)
+
+
+class _Policy:
+    """The run object's policy methods that `Exchange.request`/`read` call back, recording."""
+
+    def __init__(self, calls, mediator=None):
+        self.calls = calls
+        self.body = mediator
+
+    def mediator(self, key):
+        self.calls.append(("mediator", key))
+        if self.body is None:
+            raise LookupError(f"no body reads {key} here")
+        return self.body
+
+    def refuse(self, key, occ, passed, event):
+        self.calls.append(("refuse", key, occ, passed))
+        raise LookupError(f"{key} occurrence {occ} passed ({passed} so far)")
+
+    def install_by_policy(self, key):
+        self.calls.append(("install", key))
+
+    def narrowed(self, event, mediator, key):
+        self.calls.append(("narrowed", key, mediator.rows))
+        return event.value[mediator.rows]
+
+
+def _policy_exchange(hp, calls):
+    class Run(hp.Exchange):
+        pass
+
+    for name in ("mediator", "refuse", "install_by_policy", "narrowed"):
+        setattr(Run, name, getattr(_Policy, name))
+    run = Run(torch.is_grad_enabled, torch._C._set_grad_enabled, getcurrent=greenlet.getcurrent)
+    run.calls = calls
+    run.body = None
+    return run
+
+
+def test_request_and_read_serve_the_common_case_and_call_the_policy_for_the_rest(hp):
+    """A body's read parks until the hook serves it (no tapper: the policy installs), its
+    rows go through `narrowed`; a read from outside a body and a request the run must
+    refuse call the policy, which raises."""
+    calls = []
+    run = _policy_exchange(hp, calls)
+    hub = hp.Hub(4, 0, None, None, True)
+    run.begin(hub, threading.get_ident())
+    seen = []
+
+    class Body(hp.MediatorCore):
+        __slots__ = ()
+
+    def job(me):
+        seen.append(run.read(3))  # served below by the hook
+        run.current = me
+        seen.append(run.request(3, me).value)  # the same occurrence: no wait, no install
+        return hp.DONE
+
+    me = Body(None, 0, slice(1, 2))
+    me.worker = greenlet(lambda _: job(me))
+    run.current = me
+    assert run.resume(me, None) == hp.PARKED
+    assert calls == [("install", 3)]
+    value = torch.arange(4.0)
+    assert run.hook_event(3, False, (), value) is None
+    assert torch.equal(seen[0], value[1:2]) and seen[1] is value
+    assert calls == [("install", 3), ("narrowed", 3, slice(1, 2))]
+
+    with pytest.raises(LookupError, match="no body reads 2"):
+        run.read(2)  # not inside a body: the policy says why
+    assert calls[-1] == ("mediator", 2)
+    run.done = True
+    with pytest.raises(LookupError, match="occurrence 0 passed"):
+        run.request(2, Body())
+    assert calls[-1] == ("refuse", 2, 0, 0)
+
+
+def test_a_body_that_ends_goes_back_to_the_pool_without_a_message(hp):
+    """With `begin(..., pool=)` a served body that returns is finished and its worker is
+    appended to the pool by the exchange itself; without a pool `message` hears DONE."""
+    for pool in ([], None):
+        h = Harness(hp)
+        h.ex.begin(h.hub, threading.get_ident(), False, pool)
+        body = h.start(lambda me: h.wait(me, 1, 0))
+        worker = body.worker
+        worker.single_use = False
+        h.ex.post_hook(1)(None, (), "out")
+        if pool is None:
+            assert h.messages == [(0, hp.DONE)] and not body.finished
+        else:
+            assert h.messages == [] and body.finished and body.worker is None
+            assert pool == [worker] or (worker.dead and pool == [])
