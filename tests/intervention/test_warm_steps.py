@@ -33,7 +33,7 @@ def test_a_trace_with_inputs_makes_only_its_own_fields(gpt2, ids):
     the invoke lists (only `model.trace()` with invokes needs them) are not made per trace."""
     model = interlace.Model(gpt2)
     tracer = model.trace(ids)
-    per_trace = {"model", "engine"} | {"args", "kwargs", "backend"}  # (the twin's TracerBase fields)
+    per_trace = {"model", "engine", "_run", "_batcher"} | {"args", "kwargs", "backend"}  # (the twin's TracerBase fields)
     assert set(tracer.__dict__) <= per_trace
     assert tracer.args == (ids,) and tracer.kwargs == {} and tracer._run is None
     with tracer:

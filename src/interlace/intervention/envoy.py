@@ -287,10 +287,11 @@ class Envoy:
     @property
     def output(self):
         """The module's output at the bound occurrence (a real value: the model waits)."""
-        interleaver = self._engine.running  # inline: the hottest read of a body
+        fields = self.__dict__  # (one lookup: an Envoy's attribute reads are not specialized)
+        interleaver = fields["_engine"].running  # inline: the hottest read of a body
         if interleaver is None:
             interleaver = self._interleaver("output")  # raises: no trace running
-        return interleaver.read(2 * self._index + 1)
+        return interleaver.read(2 * fields["_index"] + 1)
 
     @output.setter
     def output(self, value):

@@ -29,12 +29,10 @@ _BUILTINS = builtins.__dict__
 class InterleavingTracer(IterMixin, Tracer):
     """`with model.trace(*inputs) as tracer:` - see the module docstring."""
 
-    # Defaults every trace shares (a class attribute costs no store per trace): `_run` is how
-    # one run calls the model (default: its module, see Engine.interleave), `_batcher` how
-    # invokes' inputs are batched (default: the engine's), `_result` the run's return value;
-    # `_invokes` and `_invoke_assigns` (names their bodies assign, see _InvokeBackend) are made
-    # per trace only by a `model.trace()` with invokes (`run_invokes`), which sets `_collecting`.
-    _run = _batcher = None
+    # Defaults every trace shares (a class attribute costs no store per trace): `_result` is
+    # the run's return value; `_invokes` and `_invoke_assigns` (names their bodies assign, see
+    # _InvokeBackend) are made per trace only by a `model.trace()` with invokes
+    # (`run_invokes`), which sets `_collecting`.
     _result = _NOT_YET
     _collecting = False
     _invokes = ()
@@ -54,10 +52,8 @@ class InterleavingTracer(IterMixin, Tracer):
             super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
         self.model = model
         self.engine = model.__dict__["_engine"]  # engine_of(model), inline: what runs it (engine.py)
-        if run is not None:
-            self._run = run
-        if batcher is not None:
-            self._batcher = batcher
+        self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
+        self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -138,9 +134,7 @@ class InterleavingTracer(IterMixin, Tracer):
         """Let go of the model once the block has run (or raised), as nnsight does: a tracer
         kept after the block (`as tracer`, an invoke's) must not keep the model, its inputs
         or its strategies alive. What the run produced (`result`) stays."""
-        self.model = self.engine = None
-        if self._run is not None or self._batcher is not None:
-            self._run = self._batcher = None
+        self.model = self.engine = self._run = self._batcher = None
         self.args = ()
         if _EMPTY_KWARGS_STORED:
             self.kwargs = {}
@@ -270,11 +264,12 @@ class _InvokeRun:
 class _InterleavingBackend(Backend):
     def __call__(self, tracer):
         try:
-            if tracer.args or tracer.kwargs:  # `model.trace(x)`: the whole body is one mediator
+            args, kwargs = tracer.args, tracer.kwargs  # (each a C field read by name)
+            if args or kwargs:  # `model.trace(x)`: the whole body is one mediator
                 values = {}
                 model = tracer.model
                 tracer._result = tracer.engine.interleave(
-                    [(BodyJob(tracer.defer(), values), tracer.args, tracer.kwargs)],
+                    [(BodyJob(tracer.defer(), values), args, kwargs)],
                     run=tracer._run, batcher=tracer._batcher,
                     backward=block_uses_backward(tracer.block),
                     edits=replays(model) if "_edits" in model.__dict__ else (),
