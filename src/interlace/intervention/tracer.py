@@ -39,7 +39,9 @@ class InterleavingTracer(IterMixin, Tracer):
     _invoke_assigns = frozenset()
 
     def __init__(self, model, args=(), kwargs=None, run=None, batcher=None):
-        if type(self)._fields_direct and type(args) is tuple and not (kwargs and "backend" in kwargs):
+        cls = type(self)
+        if ((cls is InterleavingTracer or cls._fields_direct) and type(args) is tuple
+                and not (kwargs and "backend" in kwargs)):
             # TracerBase's fields stored as its __init__ would (a C call with `*args` and a
             # keyword dict costs about 4x these stores, on every trace)
             self.args = args
