@@ -125,18 +125,28 @@ class Envoy:
             self.__dict__.pop(name, None)  # a cached child Envoy of that name is stale now
             self._children.pop(name, None)
 
+    # `envoy[i]` on a ModuleList or Sequential: (a copy of its `_modules`, the names of its
+    # non-empty slots in order), so that `h[i]` finds its name with one dict comparison
+    # (identity per slot) instead of scanning the slots for None and listing the names.
+    # Those containers renumber (a new dict) or change a slot's module on every edit torch
+    # offers, which the comparison sees; other modules list their names on each call.
+    _positions = None
+
     def __getitem__(self, key):
-        module = self._module
-        if type(key) is int:  # the common `h[i]`: no list of names built in Python
+        fields = self.__dict__  # (one lookup: an Envoy's attribute reads are not specialized)
+        module = fields["_module"]
+        if type(key) is int:  # the common `h[i]`
             modules = module._modules
-            if None not in modules.values():
-                try:
-                    name = list(modules)[key]
-                except IndexError:
-                    pass  # the message below
-                else:
-                    child = self._children.get(name)
-                    return self._child(name) if child is None else child
+            positions = fields.get("_positions")
+            if positions is None or positions[0] != modules:
+                positions = _index_positions(self, modules)
+            try:
+                name = positions[1][key]
+            except IndexError:
+                pass  # the message below
+            else:
+                child = fields["_children"].get(name)
+                return self._child(name) if child is None else child
         names = [n for n, m in module._modules.items() if m is not None]
         if isinstance(key, slice):
             return [self._child(n) for n in names[key]]
@@ -277,10 +287,11 @@ class Envoy:
     @property
     def output(self):
         """The module's output at the bound occurrence (a real value: the model waits)."""
-        interleaver = self._engine.running  # inline: the hottest read of a body
+        fields = self.__dict__  # (one lookup: an Envoy's attribute reads are not specialized)
+        interleaver = fields["_engine"].running  # inline: the hottest read of a body
         if interleaver is None:
             interleaver = self._interleaver("output")  # raises: no trace running
-        return interleaver.read(2 * self._index + 1)
+        return interleaver.read(2 * fields["_index"] + 1)
 
     @output.setter
     def output(self, value):
@@ -383,6 +394,14 @@ class Attached(Envoy):
             f"{self._path}.skip(): {self._path} was added to the model after it was wrapped "
             f"(an attachment): instead of skipping it, do not call it"
         )
+
+
+def _index_positions(envoy, modules):
+    """`envoy._positions` made from `modules` now (kept for ModuleList and Sequential)."""
+    positions = (dict(modules), tuple(n for n, m in modules.items() if m is not None))
+    if isinstance(envoy._module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        object.__setattr__(envoy, "_positions", positions)
+    return positions
 
 
 def child_of(envoy, name):

@@ -29,16 +29,37 @@ _BUILTINS = builtins.__dict__
 class InterleavingTracer(IterMixin, Tracer):
     """`with model.trace(*inputs) as tracer:` - see the module docstring."""
 
+    # Defaults every trace shares (a class attribute costs no store per trace): `_result` is
+    # the run's return value; `_invokes` and `_invoke_assigns` (names their bodies assign, see
+    # _InvokeBackend) are made per trace only by a `model.trace()` with invokes
+    # (`run_invokes`), which sets `_collecting`.
+    _result = _NOT_YET
+    _collecting = False
+    _invokes = ()
+    _invoke_assigns = frozenset()
+
     def __init__(self, model, args=(), kwargs=None, run=None, batcher=None):
-        super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
+        cls = type(self)
+        if ((cls is InterleavingTracer or cls._fields_direct) and type(args) is tuple
+                and not (kwargs and "backend" in kwargs)):
+            # TracerBase's fields stored as its __init__ would (a C call with `*args` and a
+            # keyword dict costs about 4x these stores, on every trace)
+            self.args = args
+            if kwargs:
+                self.kwargs = dict(kwargs)
+            elif _EMPTY_KWARGS_STORED:
+                self.kwargs = {}
+            self.backend = _INTERLEAVING
+        else:
+            super().__init__(*args, backend=_INTERLEAVING, **(kwargs or {}))
         self.model = model
         self.engine = model.__dict__["_engine"]  # engine_of(model), inline: what runs it (engine.py)
         self._run = run  # how one run calls the model (default: its module, see Engine.interleave)
         self._batcher = batcher  # how invokes' inputs are batched (default: the engine's)
-        self._invokes = []
-        self._invoke_assigns = set()  # names `_invokes`' bodies assign (see _InvokeBackend)
-        self._collecting = False
-        self._result = _NOT_YET
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._fields_direct = _next_init(cls) is _TRACER_INIT
 
     def invoke(self, *args, **kwargs):
         """`with tracer.invoke(*inputs):` - one batch entry whose body sees only its rows."""
@@ -117,12 +138,27 @@ class InterleavingTracer(IterMixin, Tracer):
         or its strategies alive. What the run produced (`result`) stays."""
         self.model = self.engine = self._run = self._batcher = None
         self.args = ()
-        self.kwargs = {}
+        if _EMPTY_KWARGS_STORED:
+            self.kwargs = {}
+        else:  # (natively an unset `kwargs` reads as an empty dict, made on first read)
+            self.kwargs = None
 
     def __getstate__(self):
         state = super().__getstate__()
         state.update(_invokes=[], _invoke_assigns=set(), _result=_NOT_YET, _collecting=False)
         return state
+
+
+def _next_init(cls):
+    """The `__init__` that `InterleavingTracer.__init__`'s `super()` reaches for `cls`."""
+    return super(InterleavingTracer, cls).__init__
+
+
+_TRACER_INIT = Tracer.__init__  # TracerBase's (C natively): what stores the fields
+# Whether an unset `kwargs` field reads as None (the twin's plain attribute), so that an
+# empty dict must be stored; natively it reads as an empty dict made on first read.
+_EMPTY_KWARGS_STORED = Tracer.kwargs is None
+InterleavingTracer._fields_direct = _next_init(InterleavingTracer) is _TRACER_INIT
 
 
 class Invoker(Tracer):
@@ -230,11 +266,12 @@ class _InvokeRun:
 class _InterleavingBackend(Backend):
     def __call__(self, tracer):
         try:
-            if tracer.args or tracer.kwargs:  # `model.trace(x)`: the whole body is one mediator
+            args, kwargs = tracer.args, tracer.kwargs  # (each a C field read by name)
+            if args or kwargs:  # `model.trace(x)`: the whole body is one mediator
                 values = {}
                 model = tracer.model
                 tracer._result = tracer.engine.interleave(
-                    [(BodyJob(tracer.defer(), values), tracer.args, tracer.kwargs)],
+                    [(BodyJob(tracer.defer(), values), args, kwargs)],
                     run=tracer._run, batcher=tracer._batcher,
                     backward=block_uses_backward(tracer.block),
                     edits=replays(model) if "_edits" in model.__dict__ else (),
@@ -248,6 +285,8 @@ class _InterleavingBackend(Backend):
     def run_invokes(self, tracer):
         """`model.trace()`: run the body to collect its invokes, then run them batched."""
         engine = tracer.engine
+        tracer._invokes = []
+        tracer._invoke_assigns = set()
         tracer._collecting = True
         engine.collecting = True
         try:

@@ -107,12 +107,17 @@ class LanguageModel(Model):
         `trace=False` runs the forward on the prompt now and returns its output (no block);
         `tracer_cls=` makes another `InterleavingTracer` subclass (as `Model.trace`).
         """
-        check_remote(remote, "model.trace")
-        cls = tracer_class(tracer_cls, InterleavingTracer, "model.trace")
-        prompt, rest = _split_prompt(kwargs)
-        self.check_forward_kwargs(rest)
-        run = _Forward(module_of(self), rest) if rest else None
-        tracer = cls(self, args, prompt, run=run)
+        if remote is not False:
+            check_remote(remote, "model.trace")
+        cls = InterleavingTracer if tracer_cls is None else tracer_class(
+            tracer_cls, InterleavingTracer, "model.trace")
+        run = None
+        if kwargs:  # (a prompt alone, the usual call, has no keyword to split or check)
+            kwargs, rest = _split_prompt(kwargs)
+            if rest:
+                self.check_forward_kwargs(rest)
+                run = _Forward(module_of(self), rest)
+        tracer = cls(self, args, kwargs, run=run)
         return tracer if trace else tracer.run_untraced()
 
     def generate(self, *args, remote=False, trace=True, tracer_cls=None, **kwargs):

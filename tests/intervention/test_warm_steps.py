@@ -1,0 +1,180 @@
+"""The per-trace steps a body's first lines pay for (issue 20): making the tracer, `h[i]`.
+
+Each is checked twice: what it gives (the same as before, against the modules themselves
+and against plain hooks), and that the warm step does no per-call work it need not do.
+"""
+
+import sys
+
+import pytest
+import torch
+
+import interlace
+from interlace.intervention.tracer import InterleavingTracer
+from interlace.tracing import Tracer
+
+
+def _hooked(module, ids, sub):
+    """`sub`'s output in a plain forward of `module` (a torch hook: the reference)."""
+    seen = []
+    handle = sub.register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            module(ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+# -- making the tracer ---------------------------------------------------------------------
+
+def test_a_trace_with_inputs_makes_only_its_own_fields(gpt2, ids):
+    """`model.trace(x)` stores the model and its engine; the defaults every trace shares and
+    the invoke lists (only `model.trace()` with invokes needs them) are not made per trace."""
+    model = interlace.Model(gpt2)
+    tracer = model.trace(ids)
+    per_trace = {"model", "engine", "_run", "_batcher"} | {"args", "kwargs", "backend"}  # (the twin's TracerBase fields)
+    assert set(tracer.__dict__) <= per_trace
+    assert tracer.args == (ids,) and tracer.kwargs == {} and tracer._run is None
+    with tracer:
+        out = model.transformer.h[0].output.save()
+    torch.testing.assert_close(out, _hooked(gpt2, ids, gpt2.transformer.h[0]))
+    assert tracer.model is None and tracer.args == () and tracer.kwargs == {}
+
+
+def test_making_a_tracer_runs_no_python_frame_but_its_own(gpt2, ids):
+    """`model.trace(x)` runs `Model.trace` and `InterleavingTracer.__init__`, nothing else in
+    Python (the twin's TracerBase.__init__ was a third frame)."""
+    model = interlace.Model(gpt2)
+    model.trace(ids).release()
+    frames = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        tracer = model.trace(ids)
+    finally:
+        sys.setprofile(None)
+    tracer.release()
+    assert frames == ["trace", "__init__"]
+
+
+def test_tracer_fields_are_as_tracerbase_init_stores_them(gpt2, ids):
+    """Keywords are copied (the caller's dict is not kept), `backend` among them is refused as
+    before, and a subclass whose MRO puts another `__init__` before TracerBase's reaches it."""
+    model = interlace.Model(gpt2)
+    given = {"attention_mask": torch.ones_like(ids)}
+    tracer = InterleavingTracer(model, (ids,), given)
+    assert tracer.kwargs == given and tracer.kwargs is not given
+    given.clear()
+    assert list(tracer.kwargs) == ["attention_mask"]
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'backend'"):
+        InterleavingTracer(model, (ids,), {"backend": None})
+
+    calls = []
+
+    class Mixin(Tracer):
+        def __init__(self, *args, **kwargs):
+            calls.append(args)
+            super().__init__(*args, **kwargs)
+
+    class Mine(InterleavingTracer, Mixin):
+        pass
+
+    with model.trace(ids, tracer_cls=Mine):
+        out = model.transformer.h[1].output.save()
+    assert calls == [(ids,)]
+    torch.testing.assert_close(out, _hooked(gpt2, ids, gpt2.transformer.h[1]))
+
+
+def test_invokes_after_a_trace_with_inputs_still_collect(gpt2, ids):
+    """The invoke lists are made by each `model.trace()`: two in a row batch their own."""
+    model = interlace.Model(gpt2)
+    with model.trace(ids):
+        model.transformer.h[0].output.save()
+    for _ in range(2):
+        with model.trace() as tracer:
+            with tracer.invoke(ids[:1]):
+                a = model.transformer.h[0].output.save()
+            with tracer.invoke(ids[1:]):
+                b = model.transformer.h[0].output.save()
+        torch.testing.assert_close(a, _hooked(gpt2, ids[:1], gpt2.transformer.h[0]))
+        torch.testing.assert_close(b, _hooked(gpt2, ids[1:], gpt2.transformer.h[0]))
+        assert tracer._invokes == [] and tracer._invoke_assigns == set()
+
+
+# -- `envoy[i]` ----------------------------------------------------------------------------
+
+class _Counted(torch.nn.Identity):
+    """A module that counts how often it is compared (`==`) with anything."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        type(self).compared += 1
+        return self is other
+
+    __hash__ = torch.nn.Identity.__hash__
+
+
+def test_index_does_not_compare_every_slot_per_call():
+    """A warm `h[i]` finds its slot without comparing each slot's module (with None) on every
+    call: 48 layers cost 48 comparisons per index before."""
+    layers = torch.nn.ModuleList([_Counted() for _ in range(48)])
+    model = interlace.Model(torch.nn.Sequential(layers))
+    h = model[0]
+    assert h[5]._module is layers[5]
+    _Counted.compared = 0
+    for i in range(-48, 48):
+        assert h[i]._module is layers[i]
+    assert _Counted.compared == 0
+
+
+@pytest.mark.parametrize("container", [torch.nn.ModuleList, torch.nn.Sequential])
+def test_index_follows_every_edit_of_the_container(container):
+    """After each edit torch offers (append, insert, delete, a slot emptied and filled again),
+    `h[i]` is the Envoy of the name the container's non-empty slots have at `i` now."""
+    def fresh():
+        return torch.nn.Linear(2, 2)
+
+    slots = [fresh(), fresh(), fresh()]
+    layers = torch.nn.ModuleList(slots) if container is torch.nn.ModuleList else container(*slots)
+    model = interlace.Model(torch.nn.Sequential(layers))
+    h = model[0]
+
+    def check():
+        names = [n for n, m in layers._modules.items() if m is not None]
+        # h[i] is the Envoy of the i-th non-empty slot's name (kept by name, as `h["1"]`)
+        assert [h[i] for i in range(len(names))] == [h[name] for name in names]
+        assert [h[i] for i in range(-len(names), 0)] == [h[name] for name in names]
+        assert list(h) == [h[name] for name in names]
+        with pytest.raises(IndexError, match=rf"has {len(names)} submodule\(s\)"):
+            h[len(names)]
+
+    check()
+    layers.append(fresh())
+    check()
+    layers.insert(1, fresh())
+    check()
+    del layers[0]
+    check()
+    layers.register_module("1", None)  # a slot emptied: later slots move down
+    check()
+    layers.register_module("1", fresh())  # filled again
+    check()
+
+
+def test_index_of_a_plain_module_follows_renames():
+    """A plain module's children (no renumbering container): names listed per call."""
+    module = torch.nn.Module()
+    module.a = torch.nn.Linear(2, 2)
+    module.b = torch.nn.Linear(2, 2)
+    model = interlace.Model(module)
+    assert model[0]._module is module.a
+    a = module.a
+    del module.a
+    module.a = a  # same name, same module, now last
+    assert model[0]._module is module.b and model[1]._module is a
