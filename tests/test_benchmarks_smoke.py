@@ -303,3 +303,22 @@ def test_every_probe_is_listed_and_compiles():
         assert f"- `{os.path.basename(path)}`: " in section, path
         with open(path) as f:
             compile(f.read(), path, "exec")
+
+
+def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path):
+    """`steps.py --cache` sums callgrind's simulated misses per dump: L1 (instruction, data read
+    and write) and L2 (the same beyond L2); without the simulation the misses are 0. Fake dumps,
+    as callgrind writes them, stand in for a valgrind run (minutes)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    try:
+        import steps
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "cg.out.2").write_text(
+        "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 1 2 3 4 5 6 7 8 9\n"
+        "totals: 100 20 30 1 2 3 4 5 6\n")
+    (tmp_path / "cg.out.10").write_text("events: Ir\ntotals: 70\n")
+    (tmp_path / "other.txt").write_text("totals: 5\n")
+    assert steps.dumps(str(tmp_path)) == [(100, 6, 15), (70, 0, 0)]  # in dump order: 2, 10
+    assert steps.cache_options()[0] == "--cache-sim=yes"
+    assert [o.split("=")[0] for o in steps.cache_options()[1:]] == ["--D1", "--I1", "--LL"]

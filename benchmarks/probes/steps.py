@@ -23,6 +23,13 @@ nesting as first seen) and calls per trace. "trace, whole" is interlace's full `
 Needs valgrind, its headers and a C compiler; says so and exits 0 when one is missing.
 Instruction counts are not time: after a forward evicts the caches a step's instructions run
 about 4x slower than in a tight loop, so they rank the steps, they do not price them.
+
+`--cache` simulates this machine's L1 and L2 caches (sizes from /sys; valgrind's own guess
+would take the 480 MB L3 as the last level) and adds two columns: L1 misses and L2 misses,
+the cache lines a step fetches from beyond L1 and beyond L2. On tiny GPT-2 the L2 misses are
+what prices a trace: the forward's working set nearly fills L2, so every line a trace brings
+in evicts one of the model's, which its matmuls fetch again (the "raw forward" row of a
+trace's run shows them).
 """
 
 from __future__ import annotations
@@ -237,25 +244,79 @@ def inside(folder, traces, forward="gpt2"):
 # -- outside: run, parse, print ------------------------------------------------------------
 
 def dumps(folder):
-    """Each dump's instruction count, in order (callgrind numbers them .1, .2, ...)."""
+    """Each dump's counts, in order (callgrind numbers them .1, .2, ...): (instructions,
+    L1 misses, L2 misses), the misses 0 without `--cache`."""
     names = [n for n in os.listdir(folder) if n.startswith("cg.out.")]
     names.sort(key=lambda n: int(n.rsplit(".", 1)[1]))
     counts = []
     for name in names:
+        events = None
         with open(os.path.join(folder, name)) as f:
             for line in f:
-                if line.startswith("totals:"):
-                    counts.append(int(line.split()[1]))
+                if line.startswith("events:"):
+                    events = line.split()[1:]
+                elif line.startswith("totals:"):
+                    got = dict(zip(events, map(int, line.split()[1:])))
+                    counts.append(Counts(got["Ir"],
+                                         sum(got.get(e, 0) for e in ("I1mr", "D1mr", "D1mw")),
+                                         sum(got.get(e, 0) for e in ("ILmr", "DLmr", "DLmw"))))
                     break
     return counts
 
 
-def table(folder, forward="gpt2"):
+class Counts(tuple):
+    """(instructions, L1 misses, L2 misses), added and scaled as one."""
+
+    def __new__(cls, *values):
+        return super().__new__(cls, values)
+
+    def __add__(self, other):
+        return Counts(*(a + b for a, b in zip(self, other)))
+
+    def __sub__(self, other):
+        return Counts(*(a - b for a, b in zip(self, other)))
+
+    def scaled(self, k):
+        return Counts(*(a * k for a in self))
+
+
+ZERO = Counts(0, 0, 0)
+
+
+def _read(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return f.read().strip()
+
+
+def cache_options():
+    """valgrind's cache options for this machine's L1 data, L1 instruction and L2 caches."""
+    found = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(base)):
+            path = os.path.join(base, index)
+            try:
+                level, kind, size, ways, line = (_read(path, name) for name in (
+                    "level", "type", "size", "ways_of_associativity", "coherency_line_size"))
+                size = int(size.rstrip("K")) * 1024
+                ways, line = int(ways), int(line)
+            except (OSError, ValueError):
+                continue
+            name = {("1", "Data"): "D1", ("1", "Instruction"): "I1", ("2", "Unified"): "LL"}.get((level, kind))
+            if name:
+                found[name] = f"--{name}={size},{ways},{line}"
+    except OSError:
+        pass
+    defaults = {"D1": "--D1=49152,12,64", "I1": "--I1=65536,16,64", "LL": "--LL=2097152,16,64"}
+    return ["--cache-sim=yes"] + [found.get(name, default) for name, default in defaults.items()]
+
+
+def table(folder, forward="gpt2", cache=False):
     with open(os.path.join(folder, "log.json")) as f:
         data = json.load(f)
     counts = dumps(folder)
     traces = data["traces"]
-    whole = {name: counts[i] / traces for i, name in enumerate(data["totals"])}
+    whole = {name: counts[i].scaled(1 / traces) for i, name in enumerate(data["totals"])}
     # The marked run: its first dump ends at the first mark; each later one at the next mark.
     marked = counts[len(data["totals"]):]
     log = data["log"]
@@ -269,7 +330,8 @@ def table(folder, forward="gpt2"):
             if name not in depth:
                 depth[name] = len(stacks[main]) + (len(stack) if who != main else 0)
                 order.append(name)
-                inclusive[name] = inner[name] = 0
+                inclusive[name] = ZERO
+                inner[name] = 0
             stack.append(name)
             calls[name] = calls.get(name, 0) + 1
         else:
@@ -283,10 +345,10 @@ def table(folder, forward="gpt2"):
             if g != main and not (who == g and log[i + 1][2] == g):
                 continue
             for open_name in set(stack):
-                inclusive[open_name] += segments[i]
+                inclusive[open_name] = inclusive[open_name] + segments[i]
                 inner[open_name] += 1
     # One mark's own cost: an empty wrapped call is its two marks and nothing else.
-    per_mark = inclusive["calibrate"] / calls["calibrate"]
+    per_mark = inclusive["calibrate"].scaled(1 / calls["calibrate"])
     rows = []
     raw = whole["raw forward"]
     rows.append(("raw forward", 1, raw, None))
@@ -295,17 +357,19 @@ def table(folder, forward="gpt2"):
     for name in order:
         if name == "calibrate":
             continue
-        own = (inclusive[name] - inner[name] * per_mark) / traces
+        own = (inclusive[name] - per_mark.scaled(inner[name])).scaled(1 / traces)
         over = own - raw if name == "trace, whole" else None
         rows.append((("  " * depth[name]) + name, calls[name] / traces, own, over))
     shape = "a 2-block identity net (no torch op)" if forward == "identity" else "tiny GPT-2"
-    print(f"instructions per trace (callgrind), {shape}, save block 0's output, {traces} warm traces;"
-          f" one mark costs {per_mark:,.0f} (subtracted)\n")
-    print("| step | calls per trace | instructions | over the raw forward |")
-    print("|---|---:|---:|---:|")
+    print(f"per trace (callgrind{', caches simulated' if cache else ''}), {shape}, save block 0's "
+          f"output, {traces} warm traces; one mark costs {per_mark[0]:,.0f} instructions (subtracted)\n")
+    columns = ["instructions"] + (["L1 misses", "L2 misses"] if cache else [])
+    print("| step | calls per trace | " + " | ".join(columns) + " | over the raw forward |")
+    print("|---|---:|" + "---:|" * len(columns) + "---:|")
     for label, n, value, over in rows:
-        extra = "" if over is None else f"{over:+,.0f}"
-        print(f"| {label} | {n:g} | {value:,.0f} | {extra} |")
+        shown = value[:len(columns)]
+        extra = "" if over is None else " / ".join(f"{x:+,.0f}" for x in over[:len(columns)])
+        print(f"| {label} | {n:g} | " + " | ".join(f"{x:,.0f}" for x in shown) + f" | {extra} |")
 
 
 def main():
@@ -314,6 +378,8 @@ def main():
     parser.add_argument("--forward", choices=("gpt2", "identity"), default="gpt2",
                         help="the model traced: tiny GPT-2, or a net whose forward runs no torch "
                              "op (its whole-trace count is stable to a few hundred instructions)")
+    parser.add_argument("--cache", action="store_true",
+                        help="simulate this machine's L1 and L2 caches: add each step's misses")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
@@ -325,7 +391,8 @@ def main():
         if library is None:
             print(f"steps.py needs callgrind: {why}")
             return
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+        command = ["valgrind", "--tool=callgrind", *(cache_options() if args.cache else []),
+                   "--instr-atstart=no", "--collect-atstart=no",
                    f"--callgrind-out-file={os.path.join(folder, 'cg.out')}", sys.executable,
                    os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces),
                    "--forward", args.forward]
@@ -333,7 +400,7 @@ def main():
         if done.returncode:
             print(done.stderr[-3000:])
             sys.exit(done.returncode)
-        table(folder, args.forward)
+        table(folder, args.forward, args.cache)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

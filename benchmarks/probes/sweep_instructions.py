@@ -93,7 +93,7 @@ def count(tree, floor):
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode:
             return done.stderr[-3000:]
-        counts = dumps(folder)
+        counts = [instructions for instructions, _, _ in dumps(folder)]
         hooks = counts[0] / ITEMS if floor else FLOOR
         return hooks, counts[-1] / ITEMS, memcpy(os.path.join(folder, f"cg.out.{len(counts)}")) / ITEMS
     finally:
