@@ -305,7 +305,7 @@ def test_every_probe_is_listed_and_compiles():
             compile(f.read(), path, "exec")
 
 
-def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path):
+def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     """`steps.py --cache` sums callgrind's simulated misses per dump: L1 (instruction, data read
     and write) and L2 (the same beyond L2); without the simulation the misses are 0. Fake dumps,
     as callgrind writes them, stand in for a valgrind run (minutes)."""
@@ -321,4 +321,14 @@ def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path):
     (tmp_path / "other.txt").write_text("totals: 5\n")
     assert steps.dumps(str(tmp_path)) == [(100, 6, 15), (70, 0, 0)]  # in dump order: 2, 10
     assert steps.cache_options()[0] == "--cache-sim=yes"
+    # --footprint: whole calls only (no step log); the table gives each one's lines over raw
+    for i, (instructions, lines) in enumerate(((500, 1000), (520, 1100), (700, 1400)), 1):
+        (tmp_path / f"cg.out.{i}").write_text(f"events: Ir DLmr\ntotals: {instructions * 2} {lines * 2}\n")
+    for name in ("cg.out.10", "cg.out.2.x"):
+        (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / "log.json").write_text(json.dumps(
+        {"log": [], "totals": ["raw forward", "prototype", "trace, whole"], "traces": 2}))
+    steps.table(str(tmp_path), cache=True)
+    shown = capsys.readouterr().out
+    assert "| prototype | 1,100 | +100 | 520 |" in shown and "| trace, whole | 1,400 | +400 | 700 |" in shown
     assert [o.split("=")[0] for o in steps.cache_options()[1:]] == ["--D1", "--I1", "--LL"]

@@ -4,6 +4,8 @@
     python benchmarks/probes/steps.py --traces 20  # more traces (the counts barely move)
     python benchmarks/probes/steps.py --forward identity  # a forward of no torch op: whole
                                                           # counts stable to a few hundred
+    python benchmarks/probes/steps.py --cache      # + each step's simulated L1 and L2 misses
+    python benchmarks/probes/steps.py --footprint  # the distinct cache lines of whole calls
 
 Issue 20 asks for interlace's fixed steps measured one by one against the prototype (a tapped,
 reused greenlet written by hand, `benchmarks/prototype.py`). Timing them one by one is hopeless
@@ -29,7 +31,9 @@ would take the 480 MB L3 as the last level) and adds two columns: L1 misses and 
 the cache lines a step fetches from beyond L1 and beyond L2. On tiny GPT-2 the L2 misses are
 what prices a trace: the forward's working set nearly fills L2, so every line a trace brings
 in evicts one of the model's, which its matmuls fetch again (the "raw forward" row of a
-trace's run shows them).
+trace's run shows them). `--footprint` flushes the simulated caches (an 8 MB read, not
+counted) before each whole call, so that its L2 misses are the distinct lines it touches: the
+trace's own footprint, which the forward's lines must make room for.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ HELPER = r"""
 void il_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; CALLGRIND_TOGGLE_COLLECT; }
 void il_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
 void il_mark(void) { CALLGRIND_DUMP_STATS; }
+void il_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 """
 
 
@@ -133,7 +138,7 @@ class _Identity:
         return Net().eval(), torch.zeros(1, 4)
 
 
-def inside(folder, traces, forward="gpt2"):
+def inside(folder, traces, forward="gpt2", footprint=False):
     import ctypes
 
     import torch
@@ -224,19 +229,34 @@ def inside(folder, traces, forward="gpt2"):
         for fn in (raw, hooks, prototype, whole, calibrate):
             for _ in range(30):
                 fn()
-        for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype)):
+        if footprint:  # every call starts with cold caches: its L2 misses are its distinct lines
+            flush = torch.ones(8 * 1024 * 1024 // 4)  # 8 MB, read outside the count
+            for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype),
+                             ("trace, whole", trace)):
+                marks.il_start()
+                marks.il_toggle()
+                for _ in range(traces):
+                    flush.sum()
+                    marks.il_toggle()
+                    fn()
+                    marks.il_toggle()
+                marks.il_toggle()
+                marks.il_stop()
+                totals[name] = traces
+        else:
+            for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype)):
+                marks.il_start()
+                for _ in range(traces):
+                    fn()
+                marks.il_stop()
+                totals[name] = traces
+            on[0] = True
             marks.il_start()
             for _ in range(traces):
-                fn()
+                calibrate()
+            for _ in range(traces):
+                whole()
             marks.il_stop()
-            totals[name] = traces
-        on[0] = True
-        marks.il_start()
-        for _ in range(traces):
-            calibrate()
-        for _ in range(traces):
-            whole()
-        marks.il_stop()
     with open(os.path.join(folder, "log.json"), "w") as f:
         json.dump({"log": log, "totals": list(totals), "traces": traces}, f)
 
@@ -317,6 +337,9 @@ def table(folder, forward="gpt2", cache=False):
     counts = dumps(folder)
     traces = data["traces"]
     whole = {name: counts[i].scaled(1 / traces) for i, name in enumerate(data["totals"])}
+    if not data["log"]:  # --footprint: whole calls only, each from cold caches
+        footprint_table(whole, forward, traces)
+        return
     # The marked run: its first dump ends at the first mark; each later one at the next mark.
     marked = counts[len(data["totals"]):]
     log = data["log"]
@@ -372,6 +395,18 @@ def table(folder, forward="gpt2", cache=False):
         print(f"| {label} | {n:g} | " + " | ".join(f"{x:,.0f}" for x in shown) + f" | {extra} |")
 
 
+def footprint_table(whole, forward, traces):
+    shape = "a 2-block identity net (no torch op)" if forward == "identity" else "tiny GPT-2"
+    raw = whole["raw forward"]
+    print(f"distinct cache lines per call (callgrind, caches simulated and flushed before each "
+          f"call), {shape}, save block 0's output, {traces} warm calls\n")
+    print("| call | lines touched | over the raw forward | instructions |")
+    print("|---|---:|---:|---:|")
+    for name, value in whole.items():
+        extra = "" if name == "raw forward" else f"{value[2] - raw[2]:+,.0f}"
+        print(f"| {name} | {value[2]:,.0f} | {extra} | {value[0]:,.0f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=int, default=10)
@@ -380,10 +415,13 @@ def main():
                              "op (its whole-trace count is stable to a few hundred instructions)")
     parser.add_argument("--cache", action="store_true",
                         help="simulate this machine's L1 and L2 caches: add each step's misses")
+    parser.add_argument("--footprint", action="store_true",
+                        help="with --cache's simulation, flush the caches before each call: its "
+                             "L2 misses are then the distinct lines it touches (whole calls only)")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        inside(args.inside, args.traces, args.forward)
+        inside(args.inside, args.traces, args.forward, args.footprint)
         return
     folder = tempfile.mkdtemp(prefix="interlace-steps-")
     try:
@@ -391,16 +429,17 @@ def main():
         if library is None:
             print(f"steps.py needs callgrind: {why}")
             return
-        command = ["valgrind", "--tool=callgrind", *(cache_options() if args.cache else []),
+        cache = args.cache or args.footprint
+        command = ["valgrind", "--tool=callgrind", *(cache_options() if cache else []),
                    "--instr-atstart=no", "--collect-atstart=no",
                    f"--callgrind-out-file={os.path.join(folder, 'cg.out')}", sys.executable,
                    os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces),
-                   "--forward", args.forward]
+                   "--forward", args.forward, *(["--footprint"] if args.footprint else [])]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             print(done.stderr[-3000:])
             sys.exit(done.returncode)
-        table(folder, args.forward, args.cache)
+        table(folder, args.forward, cache)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
