@@ -244,6 +244,7 @@ cdef class MediatorCore:
     cdef public object fn          # the body: called with no argument by the subclass's `_job`
     cdef public object error       # what the body raised (FAILED), until the run takes it
     cdef public object label       # "trace body", "invoke 1"...: for messages
+    cdef public Py_ssize_t parks   # waits through `wait_for` (a greenlet body's), counted
 
     def __init__(self, fn=None, Py_ssize_t index=0, rows=None, label="trace body"):
         self.fn = fn
@@ -256,6 +257,7 @@ cdef class MediatorCore:
         self.finished = False
         self.body_grad = None
         self.label = label
+        self.parks = 0
 
     def start(self, list pool=None):
         """Run the body (the subclass's `_job`) on a worker from `pool` (default: this
@@ -520,6 +522,7 @@ cdef class Exchange:
         hub.park(key, occ, mediator)
         mediator.event = None
         mediator.body_grad = self.is_grad_enabled()
+        mediator.parks += 1
         payload = mediator.worker.parent.switch(PARKED)
         if payload is None:
             return None
@@ -558,6 +561,33 @@ cdef class Exchange:
             self.install_by_policy(key)
         self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
         return mediator.event
+
+    def prepare(self, MediatorCore mediator not None, Py_ssize_t key):
+        """Body side, for a generator body (which waits by yielding, not by switching):
+        `request`'s work up to the wait. Returns the `Event` when the body is being served
+        that occurrence already; else parks `mediator` for it, notes the body's grad mode and
+        returns None (the body then yields PARKED; once resumed, `mediator.event` is it)."""
+        cdef Hub hub = self.hub
+        cdef Py_ssize_t passed, occ
+        cdef Pointer pointer = <Pointer?>mediator.pointer
+        if hub is None:
+            raise RuntimeError("Exchange.prepare() outside a run: call begin(hub, thread) first")
+        event = mediator.event
+        passed = hub.so_far(key)
+        if event is not None and (<Event?>event).key == key:
+            occ = pointer.bind((<Event>event).occ)
+            if (<Event>event).occ == occ:
+                return event
+        else:
+            occ = pointer.bind(passed)
+        if self.done or occ < passed:
+            self.refuse(key, occ, passed, event)  # raises
+        if self.tapper is None or not self.tapper.c_install(self, key, self.root_call):
+            self.install_by_policy(key)
+        hub.park(key, occ, mediator)
+        mediator.event = None
+        mediator.body_grad = self.is_grad_enabled()
+        return None
 
     def read(self, Py_ssize_t key):
         """Body side: the value of location `key` at the bound occurrence, as the running

@@ -196,7 +196,7 @@ class MediatorCore:
     """
 
     __slots__ = ("index", "rows", "pointer", "worker", "event", "body_grad", "finished",
-                 "fn", "error", "label")
+                 "fn", "error", "label", "parks")
 
     def __init__(self, fn=None, index=0, rows=None, label="trace body"):
         self.fn = fn
@@ -209,6 +209,7 @@ class MediatorCore:
         self.finished = False
         self.body_grad = None
         self.label = label
+        self.parks = 0  # waits through `wait_for` (a greenlet body's), counted
 
     def start(self, pool=None):
         """Run the body (the subclass's `_job`) on a worker from `pool` (default: this
@@ -428,6 +429,7 @@ class Exchange:
         hub.park(key, occ, mediator)
         mediator.event = None
         mediator.body_grad = self.is_grad_enabled()
+        mediator.parks += 1
         payload = mediator.worker.parent.switch(PARKED)
         if payload is None:
             return None
@@ -450,6 +452,36 @@ class Exchange:
         elif not isinstance(mediator, MediatorCore):
             raise TypeError(f"Exchange.request() needs a MediatorCore, got {type(mediator).__name__}")
         return _request(self, mediator, key)
+
+    def prepare(self, mediator, key):
+        """Body side, for a generator body (which waits by yielding, not by switching):
+        `request`'s work up to the wait. Returns the `Event` when the body is being served
+        that occurrence already; else parks `mediator` for it, notes the body's grad mode and
+        returns None (the body then yields PARKED; once resumed, `mediator.event` is it)."""
+        if mediator is None:
+            raise TypeError("Exchange.prepare() needs a mediator, got None")
+        if not isinstance(mediator, MediatorCore):
+            raise TypeError(f"Argument 'mediator' has incorrect type (expected "
+                            f"{__name__}.MediatorCore, got {type(mediator).__name__})")
+        hub = self.hub
+        if hub is None:
+            raise RuntimeError("Exchange.prepare() outside a run: call begin(hub, thread) first")
+        event = mediator.event
+        passed = hub.so_far(key)
+        if event is not None and event.key == key:
+            occ = mediator.pointer.bind(event.occ)
+            if event.occ == occ:
+                return event
+        else:
+            occ = mediator.pointer.bind(passed)
+        if self.done or occ < passed:
+            self.refuse(key, occ, passed, event)  # raises
+        if self.tapper is None or not self.tapper.install(self, key, self.root_call):
+            self.install_by_policy(key)
+        hub.park(key, occ, mediator)
+        mediator.event = None
+        mediator.body_grad = self.is_grad_enabled()
+        return None
 
     def read(self, key):
         """Body side: the value of location `key` at the bound occurrence, as the running
