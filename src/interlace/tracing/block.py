@@ -15,6 +15,8 @@ import types
 # The body function's hidden last parameter: builtins.locals, so that a user's own `locals`
 # (a local, a global) cannot change what the body returns.
 LOCALS_PARAM = "__interlace_locals__"
+# A generator body's hidden parameters after it: its read and write helpers (generators.py).
+GENERATOR_PARAMS = ("__interlace_read__", "__interlace_write__")
 
 _compile_lock = threading.Lock()
 
@@ -39,7 +41,7 @@ class Block:
     # Weakly referable: the warm-site record the frame mechanism keeps on the code object
     # (frames.register_site) must not keep a Block, whose body functions hold the globals
     # that hold that code, alive past BLOCKS.
-    __slots__ = _FIELDS + ("__weakref__", "last_function")
+    __slots__ = _FIELDS + ("__weakref__", "last_function", "route")
 
     def __init__(self, **facts):
         for name in self._FIELDS:
@@ -47,6 +49,10 @@ class Block:
         # (params, globals, function) of the latest deferred run without reads_as_globals:
         # a warm trace at this site finds its body function here, without a key or a lookup
         self.last_function = None
+        # How the engine runs this body (intervention/routes.py): None until it first asks,
+        # then AUDIT, GENERATOR, or the reason it stays on a greenlet (a str). Per process:
+        # not pickled.
+        self.route = None
         self._functions = Recent(FUNCTIONS_LIMIT)  # params -> code
         self.callables = Recent(FUNCTIONS_LIMIT)  # (params, id(globals)) -> function (holds the globals)
 
@@ -71,6 +77,22 @@ class Block:
             code = self._functions.get(key)  # (kept here: a later insertion may evict it)
             if code is None:
                 code = steps._body_code(self, params, reads_as_globals, frame)
+                self._register(code)
+                self._functions[key] = code
+        return code
+
+    def generator_code(self, params, steps, frame=None):
+        """The body compiled as a generator function of `params` (reads are yield points,
+        `tracing/generators.py`), once per tuple of names, through the same steps."""
+        key = ("generator", params)
+        try:
+            return self._functions[key]
+        except KeyError:
+            pass
+        with _compile_lock:
+            code = self._functions.get(key)
+            if code is None:
+                code = steps._generator_code(self, params, frame)
                 self._register(code)
                 self._functions[key] = code
         return code
@@ -103,6 +125,7 @@ class Block:
         self._functions = Recent(FUNCTIONS_LIMIT)
         self.callables = Recent(FUNCTIONS_LIMIT)
         self.last_function = None
+        self.route = None
 
 
 class StandInFrame:

@@ -26,12 +26,14 @@ object), so they answer for a body that runs once at a time, which is how backen
 
 from __future__ import annotations
 
+import builtins
 import copyreg
+import types as _types
 
 from .. import _native
 from ..errors import InterlaceError
 from . import skip
-from .block import LOCALS_PARAM, make_function
+from .block import GENERATOR_PARAMS, LOCALS_PARAM, make_function
 from .save import TraceState
 from .save import enter_body as _enter_body
 from .save import exit_body as _exit_body
@@ -41,6 +43,7 @@ _LOCALS_PARAM = LOCALS_PARAM
 _bind = _native.frames.bind
 _call_bound = _native.frames.call_bound
 _pick = _native.frames.pick
+_locals = builtins.locals
 
 
 class DeferredBody(_native.frames.DeferredBase):
@@ -116,6 +119,41 @@ class DeferredBody(_native.frames.DeferredBase):
         del result[_LOCALS_PARAM]
         return result
 
+    def generator(self):
+        """The body as a generator, for an engine that runs bodies as generators: compiled
+        with its reads as yield points (`tracing/generators.py`), started by the first
+        `send(None)`; it returns its final locals (pass them through `generator_locals`).
+        The caller runs it in this trace's save state (`save.enter_body(body.state)` in
+        the context it sends from). Only with the caller's globals (not a pickled tracer)."""
+        block = self.block
+        globals_ = self.globals
+        namespace = self.namespace
+        if globals_ is None:
+            raise InterlaceError(f"{block.filename}:{block.lineno}: generator() needs the "
+                                 f"caller's globals (a tracer rebuilt from a pickle has none)")
+        params = self._params
+        if params is None:  # deferred with a namespace of its own: the names it has
+            params = tuple(filter(namespace.__contains__, block.names))
+        key = ("generator", params, id(globals_))
+        function = block.callables.get(key)  # (the function keeps globals_, hence its id)
+        if function is None:
+            from .generators import DEFAULTS  # (loaded with the capture's parser)
+
+            code = block.generator_code(params, self.tracer, self.tracer._frame)
+            function = block.callables[key] = _types.FunctionType(
+                code, globals_, code.co_name, (_locals, *DEFAULTS))
+        self._code = function.__code__
+        self._entry = namespace
+        return function(*[namespace[name] for name in params])
+
+    @staticmethod
+    def generator_locals(result: dict) -> dict:
+        """The final locals a `generator()` returned, without its hidden parameters."""
+        del result[_LOCALS_PARAM]
+        for name in GENERATOR_PARAMS:
+            del result[name]
+        return result
+
     def results(self, values: dict) -> dict:
         """What `push` writes of the body's final locals `values`: every name the body
         assigns when the trace is nested in another (the enclosing body goes on with them),
@@ -154,6 +192,8 @@ class DeferredBody(_native.frames.DeferredBase):
                                       and frame_code.co_name == block.co_name):
                 values = dict(tb.tb_frame.f_locals)
                 values.pop(_LOCALS_PARAM, None)
+                for name in GENERATOR_PARAMS:
+                    values.pop(name, None)
                 return values
             tb = tb.tb_next
         return {}

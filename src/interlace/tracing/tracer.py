@@ -88,6 +88,10 @@ class Tracer(_frames.TracerBase):
 
     _capture_key = None  # None: the default steps; a subclass overriding them: the class
     _old_steps = frozenset()  # the steps this class overrides with their old shape
+    #: Whether an engine may run this tracer's bodies as generators (reads as yield points,
+    #: tracing/generators.py). None: only while `build` and `compile` are the defaults; a
+    #: subclass that overrides them opts in with True (its statements are then rewritten).
+    generator_bodies = None
     _own_execute = False  # overrides `execute` in its new shape (the default backend calls it)
     # Per-run state lives in frames.TracerBase's fields (_FIELDS), None until set: `block`,
     # `backend`, `_frame` (the caller's frame while the trace runs), `_plan` (its SkipPlan; None
@@ -335,6 +339,17 @@ class Tracer(_frames.TracerBase):
             tree = syntax.globalize_reads(tree, block)
         if "compile" in self._old_steps:
             return self.compile(block, tree)
+        code = self.compile(tree, frame if frame is not None else block.stand_in_frame())
+        return syntax.function_of(code, block)
+
+    def _generator_code(self, block, params, frame):
+        """`Block.generator_code`'s miss: the body function of `_body_code`, with its reads
+        made yield points (`tracing/generators.py`), compiled by the `compile` step."""
+        from . import generators, syntax  # (loaded by the first capture already)
+
+        if block.statements is None:
+            syntax.rebuild_statements(block, self)
+        tree, _points = generators.rewrite(syntax.function_module(block, params))
         code = self.compile(tree, frame if frame is not None else block.stand_in_frame())
         return syntax.function_of(code, block)
 
