@@ -8,13 +8,14 @@ cut short), where they are the locals at the point the signal left it.
 
 from __future__ import annotations
 
+from . import routes
 from .mediator import ENDED_EARLY
 
 
 class BodyJob:
     """Run `body` (a `DeferredBody`) once, by `run` (default: `body.run`); fill `out`."""
 
-    __slots__ = ("body", "out", "assigns", "takes", "tracer", "_run")
+    __slots__ = ("body", "out", "assigns", "takes", "tracer", "_run", "route_block")
 
     def __init__(self, body, out, run=None):
         self.body = body
@@ -24,6 +25,33 @@ class BodyJob:
         self.takes = getattr(run, "shadowed", None)
         self.tracer = body.tracer
         self._run = body.run if run is None else run
+        # the Block whose route decides how this job runs (routes.py); None: on a greenlet
+        # (a body run by an invoke's own `run`, or not eligible)
+        self.route_block = routes.eligible(body) if run is None else None
+
+    # -- the generator route (routes.py) --------------------------------------------------
+
+    def generator(self):
+        """(the body as a generator, whose reads are its yields; the save state to run it
+        in): `finish(values)`, `ended_early(signal)` or `failed(error)` follows, as
+        `__call__` ends."""
+        body = self.body
+        return body.generator(), body.state
+
+    def finish(self, values):
+        self.out.update(self.body.generator_locals(values))
+
+    def ended_early(self, signal):
+        self.out.update(self.body.locals_at(signal))
+
+    def failed(self, error):
+        return error
+
+    def audited(self, strays):
+        routes.audited(self.body.block, strays)
+
+    def stray_wait(self, where):
+        return routes.stray(self.body.block, where)
 
     def __call__(self):
         try:

@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..errors import InterlaceError, NotInTraceError
+from ..tracing.generators import Ready
 from . import attach
 from .access import active_interleaver, as_inputs, first_input, running_interleaver, with_first_input
 from .engine import Engine
@@ -321,6 +322,44 @@ class Envoy:
         inputs = interleaver.read(2 * self._index)
         interleaver.write(2 * self._index, with_first_input(inputs, value, self._path))
 
+    # -- the same, for a body running as a generator (tracing/generators.py) ------------------
+
+    def __interlace_read__(self, name):
+        """`self.<name>` in a generator body: an iterator that yields while the model has not
+        produced the value yet, and returns it (tracing/generators.py). A subclass's own
+        `output`/`input`/`inputs` is read as it is."""
+        fields = self.__dict__
+        interleaver = fields["_engine"].running
+        if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
+            return Ready(getattr(self, name))
+        if name == "output":
+            return interleaver.generator_read(2 * fields["_index"] + 1)
+        return self._inputs_read(interleaver, name)
+
+    def _inputs_read(self, interleaver, name):
+        inputs = yield from interleaver.generator_read(2 * self._index)
+        if name == "inputs":
+            args, kwargs = inputs
+            return args, kwargs
+        return first_input(inputs, self._path)
+
+    def __interlace_write__(self, name, value):
+        """`self.<name> = value` in a generator body (see `__interlace_read__`)."""
+        interleaver = self._engine.running
+        if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
+            setattr(self, name, value)
+            return Ready(None)
+        key = 2 * self._index
+        if name == "output":
+            return interleaver.generator_write(key + 1, value)
+        if name == "inputs":
+            return interleaver.generator_write(key, as_inputs(value, self._path))
+        return self._input_write(interleaver, key, value)
+
+    def _input_write(self, interleaver, key, value):
+        inputs = yield from interleaver.generator_read(key)
+        yield from interleaver.generator_write(key, with_first_input(inputs, value, self._path))
+
     def skip(self, value):
         """The module does not run at the bound occurrence; `value` is its output instead."""
         self._interleaver("skip()").skip(self._index, value)
@@ -343,6 +382,10 @@ class Envoy:
                 return attach.call(interleaver, module, self._path, args, kwargs)
             return interleaver.call_plain(module, args, kwargs)
         return self._module(*args, **kwargs)
+
+
+_ENVOY_READS = {name: Envoy.__dict__[name] for name in ("output", "input", "inputs")}
+"""The properties `Envoy.__interlace_read__` serves (a subclass's own are read as they are)."""
 
 
 class Attached(Envoy):

@@ -29,20 +29,24 @@ from torch import Tensor
 
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
+from ..tracing.block import Block
 from ..tracing.tracer import user_frame
-from . import attach, compiled, grads, hooks
+from . import attach, compiled, grads, hooks, routes
 from .batching import RunAlone, expand, leaf, map_leaves, narrow, put, swap
 from .mediator import (
     DONE,
     FAILED,
     PARKED,
     STOPPED,
+    GeneratorMediator,
     IterationCutShort,
     Mediator,
     StopSignal,
     _is_grad_enabled,
     _set_grad_enabled,
     WORKERS,
+    runs_here,
+    runs_within,
 )
 from .sharing import Sharing, shares
 
@@ -57,7 +61,7 @@ class _Stop(BaseException):
 
 def _user_line(mediator):
     """(filename, lineno) of the innermost frame of a parked body outside interlace."""
-    frame = user_frame(mediator.worker.gr_frame if mediator.worker is not None else None)
+    frame = mediator.paused_frame()
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<interlace>", 0)
 
 
@@ -131,7 +135,17 @@ class Interleaver(hotpath.Exchange):
     # -- building -----------------------------------------------------------------------
 
     def add(self, fn, rows=None, label="trace body"):
-        mediator = Mediator(fn, len(self.mediators), rows, label)
+        # which way the body runs (routes.py): the common cases without a call
+        block = getattr(fn, "route_block", None)
+        if block is None:
+            cls = Mediator
+        elif type(block) is not Block:  # a job that finds its Block when asked (a sweep item)
+            cls = routes.mediator_class(fn)
+        elif block.route is routes.GENERATOR:
+            cls = GeneratorMediator
+        else:
+            cls = routes.mediator_class(fn)
+        mediator = cls(fn, len(self.mediators), rows, label)
         self.mediators.append(mediator)
         return mediator
 
@@ -517,7 +531,7 @@ class Interleaver(hotpath.Exchange):
         `what` names the request for the error message: a string, or a location key.
         """
         mediator = self.current
-        if mediator is None or mediator.worker is not getcurrent():
+        if mediator is None or not runs_here(mediator):
             if type(what) is int:
                 what = self.state.key_name(what)
             if self.enclosing() is not None:
@@ -538,15 +552,9 @@ class Interleaver(hotpath.Exchange):
         models nested in it (a nested run's bodies are greenlets whose parent is the greenlet
         that runs that model: the outer body); None anywhere else (another thread too)."""
         mediator = self.current
-        worker = None if mediator is None else mediator.worker
-        if worker is None:
+        if mediator is None or not runs_within(mediator):
             return None
-        here = getcurrent()
-        while here is not None:
-            if here is worker:
-                return mediator
-            here = here.parent
-        return None
+        return mediator
 
     # `request(key, mediator=None)` and `read(key)` are the exchange's (compiled natively):
     # the common case as mechanism; these three are their policy, called only when needed.
@@ -604,8 +612,11 @@ class Interleaver(hotpath.Exchange):
         mediator = self.current
         if mediator is None or mediator.worker is not getcurrent():
             mediator = self.mediator(key)  # raises: not called from the running body
-        event = self.request(key, mediator)
-        frame = user_frame(sys._getframe(1))
+        self._written(mediator, self.request(key, mediator), key, value)
+
+    def _written(self, mediator, event, key, value):
+        """`write`'s work once `event` is served: the body's value replaces its rows."""
+        frame = user_frame(sys._getframe(2))
         if frame is not None:
             self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
         if mediator.rows is not None:
@@ -620,6 +631,37 @@ class Interleaver(hotpath.Exchange):
                 self.expanded = True
         event.value = value
         event.replaced = True
+
+    # -- requests of a generator body (routes.py): each waits by yielding PARKED ------------
+
+    def generator_read(self, key):
+        """`read(key)` for a body running as a generator (or its audit): a generator that
+        yields PARKED while the value is not there yet, and returns it."""
+        mediator = self.current
+        if mediator is None or not runs_here(mediator):
+            mediator = self.mediator(key)  # raises: not the running body
+        event = self.prepare(mediator, key)
+        if event is None:
+            payload = yield PARKED
+            if payload is not None:
+                mediator.received(payload)  # raises the signal or error it is
+            event = mediator.event
+        if mediator.rows is None:
+            return event.value
+        return self.narrowed(event, mediator, key)
+
+    def generator_write(self, key, value):
+        """`write(key, value)` for a body running as a generator (see `generator_read`)."""
+        mediator = self.current
+        if mediator is None or not runs_here(mediator):
+            mediator = self.mediator(key)  # raises: not the running body
+        event = self.prepare(mediator, key)
+        if event is None:
+            payload = yield PARKED
+            if payload is not None:
+                mediator.received(payload)
+            event = mediator.event
+        self._written(mediator, event, key, value)
 
     def skip(self, index, value):
         """Body side: module `index` does not run at the bound occurrence; `value` is its output."""

@@ -1,4 +1,5 @@
-"""A mediator: one trace body (or one invoke's body) running beside the model on its own stack.
+"""A mediator: one trace body (or one invoke's body) running beside the model on its own stack,
+or, where the site's route says so (routes.py), as a generator on the model's stack.
 
 The body runs in a greenlet until it needs a value, then parks and hands control back to the
 model; a hook hands the value over when the module runs. Greenlets are *reused* across traces
@@ -12,7 +13,9 @@ own `torch.no_grad()` never leaks into the forward and the forward's state never
 
 from __future__ import annotations
 
+import sys
 import threading
+from contextvars import copy_context
 from functools import partial
 
 import torch
@@ -20,6 +23,9 @@ from greenlet import getcurrent, greenlet
 
 from .._native import hotpath
 from ..tracing.save import current as _trace_running
+from ..tracing.save import enter_body as _enter_body
+from ..tracing.save import exit_body as _exit_body
+from ..tracing.tracer import is_interlace_file, user_frame
 
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -170,7 +176,7 @@ class Mediator(hotpath.MediatorCore):
 
     def _job(self):
         try:
-            self.fn()
+            self._run_body()
             return DONE
         except Cancelled:
             self.error = None
@@ -182,10 +188,19 @@ class Mediator(hotpath.MediatorCore):
             self.error = error
             return FAILED
 
+    def _run_body(self):
+        self.fn()
+
+    def paused_frame(self):
+        """The innermost frame of the user's code where the parked body waits, or None."""
+        worker = self.worker
+        return None if worker is None else user_frame(worker.gr_frame)
+
     def wait(self, message=PARKED):
         """Body side: give control back to the model; returns what the model hands over."""
         body_grad = _is_grad_enabled()
         self.body_grad = body_grad
+        self.parks += 1
         # Resumed by the model side, which swapped the mode to body_grad already.
         return self.received(self.worker.parent.switch(message))
 
@@ -203,6 +218,220 @@ class Mediator(hotpath.MediatorCore):
                 # hence the model, alive after the user drops the error, until gc runs.
                 payload = None
         return payload
+
+
+def runs_here(mediator) -> bool:
+    """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
+    body runs on its worker; a generator body runs while its generator does, on the
+    greenlet that resumes it (the model's)."""
+    worker = mediator.worker
+    if type(worker) is GenWorker:
+        return worker.gen.gi_running and worker.home is getcurrent()
+    return worker is not None and worker is getcurrent()
+
+
+def runs_within(mediator) -> bool:
+    """`runs_here`, or the calling code is on a greenlet started below the body (the body of
+    a trace of another model nested in it)."""
+    worker = mediator.worker
+    if worker is None:
+        return False
+    if type(worker) is GenWorker:
+        if not worker.gen.gi_running:
+            return False
+        worker = worker.home
+    here = getcurrent()
+    while here is not None:
+        if here is worker:
+            return True
+        here = here.parent
+    return False
+
+
+# -- generator bodies (intervention/routes.py decides which body runs how) -----------------
+
+class GenWorker:
+    """A generator body's stand-in for a worker greenlet, in `mediator.worker`.
+
+    The exchange resumes any body with `worker.switch(payload)`; here that sends `payload`
+    into the body's generator (in the body's own contextvars context, as a greenlet has
+    its own) until it yields PARKED. When the body returns or raises, its job hears of it
+    (`fn.finish(values)`, `fn.ended_early(signal)`) and `switch` returns the outcome, as
+    `Mediator._job` would (DONE, FAILED); the worker is then `dead`. `parent` is what a
+    wait that is not a yield would switch to: a `StrayWait`, which refuses. Never pooled
+    (`single_use`): a generator runs once.
+    """
+
+    __slots__ = ("gen", "context", "token", "mediator", "home", "dead")
+    single_use = True
+
+    def __init__(self, mediator, gen, state):
+        self.gen = gen
+        context = self.context = copy_context()  # the body's contextvars are its own
+        self.token = context.run(_enter_body, state)  # `.save()` saves into `state` there
+        self.mediator = mediator  # (dropped when the body ends: no cycle left)
+        self.home = getcurrent()  # the greenlet that runs the model, and resumes the body
+        self.dead = False
+
+    def switch(self, payload=None):
+        try:
+            return self.context.run(self.gen.send, payload)
+        except StopIteration as end:
+            mediator = self._ended()
+            mediator.fn.finish(end.value)
+            return DONE
+        except GeneratorExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - reported to the model side
+            return self._ended().raised(error)
+        finally:
+            payload = None
+
+    def _ended(self):
+        self.dead = True
+        self.context.run(_exit_body, self.token)
+        mediator, self.mediator = self.mediator, None
+        return mediator
+
+    def close(self):
+        """Drop a body that would not end: its generator is closed, its save state left."""
+        if not self.dead:
+            self.dead = True
+            try:
+                self.context.run(self.gen.close)
+            except BaseException:  # noqa: BLE001 - a broken body must not block teardown
+                pass
+            self.context.run(_exit_body, self.token)
+            self.mediator = None
+
+    @property
+    def parent(self):
+        mediator = self.mediator
+        return StrayWait(mediator.fn.stray_wait if mediator is not None else None)
+
+    @property
+    def gr_frame(self):
+        """The innermost frame of the user's code in the suspended body (its yield chain)."""
+        return yielding_frame(self.gen)
+
+
+def yielding_frame(gen):
+    """The innermost frame of user code (not interlace's) in a suspended generator's chain of
+    `yield from`s: where the body waits. None when there is none."""
+    found = None
+    while gen is not None and hasattr(gen, "gi_frame"):
+        frame = gen.gi_frame
+        if frame is not None and not is_interlace_file(frame.f_code.co_filename):
+            found = frame
+        gen = gen.gi_yieldfrom
+    return found
+
+
+class StrayWait:
+    """A generator body's `worker.parent`: a wait that is not a yield of the body's own
+    frame (a function it calls reads, waits at a barrier...) cannot suspend a generator.
+    `switch` refuses with an error naming the user's line, and pins the site to greenlets
+    (`on_stray(line)`, routes.py), before the wait has any effect."""
+
+    __slots__ = ("on_stray",)
+
+    def __init__(self, on_stray):
+        self.on_stray = on_stray
+
+    def switch(self, message=None):
+        frame = user_frame(sys._getframe(1))
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "<unknown>"
+        raise self.on_stray(where)
+
+
+class GeneratorMediator(Mediator):
+    """A body run as a generator (its reads are yields, tracing/generators.py): started and
+    resumed by `GenWorker.switch`, on the model's own stack, with no worker greenlet. Its
+    job gives `generator()` (the body's generator, started here), `finish(values)` and
+    `ended_early(signal)`."""
+
+    __slots__ = ()
+
+    def start(self, pool=None):
+        gen, state = self.fn.generator()
+        worker = self.worker = GenWorker(self, gen, state)
+        model_grad = self.body_grad = _is_grad_enabled()
+        try:
+            message = worker.switch(None)
+        finally:
+            if _is_grad_enabled() != model_grad:
+                _set_grad_enabled(model_grad)
+        if message == DONE or message == FAILED:
+            self.release(pool)
+        return message
+
+    def cancel(self):
+        worker = self.worker
+        super().cancel()
+        if worker is not None and self.worker is None and not worker.dead:
+            worker.close()  # it refused to unwind
+
+    def raised(self, error):
+        """The body raised `error`: its outcome, as `_job` maps it."""
+        try:
+            if isinstance(error, Cancelled):
+                self.error = None
+                return DONE
+            if isinstance(error, ENDED_EARLY):
+                self.error = None
+                self.fn.ended_early(error)
+                return DONE
+            self.error = self.fn.failed(error)
+            return FAILED
+        finally:
+            error = None  # (no cycle through this frame's local: see `received`)
+
+
+
+class AuditMediator(Mediator):
+    """A site's first run: the generator body driven on a worker greenlet. Its yields
+    park it as a greenlet body parks; a wait that is not one of its yields (a function it
+    calls reads) parks the greenlet directly, and is counted (`parks`). When the body ends
+    the count is the verdict (`fn.audited(strays)`, routes.py)."""
+
+    __slots__ = ("gen",)
+
+    def _run_body(self):
+        self.parks = 0
+        fn = self.fn
+        gen, state = fn.generator()
+        self.gen = gen
+        token = _enter_body(state)  # (this greenlet's own context)
+        payload = None
+        try:
+            while True:
+                try:
+                    message = gen.send(payload)
+                except StopIteration as end:
+                    fn.finish(end.value)
+                    break
+                except ENDED_EARLY as signal:
+                    fn.ended_early(signal)
+                    raise
+                except Exception as error:
+                    raise fn.failed(error)
+                finally:
+                    payload = None
+                payload = self.wait_yielded(message)
+        finally:
+            self.gen = gen = None
+            _exit_body(token)
+        fn.audited(self.parks)
+
+    def wait_yielded(self, message):
+        """The body yielded `message` (PARKED; `prepare` noted its grad mode): switch to the
+        model side as `wait` does, uncounted; what the model hands over goes into the body."""
+        return self.worker.parent.switch(message)
+
+    def paused_frame(self):
+        frame = yielding_frame(self.gen)
+        return frame if frame is not None else super().paused_frame()
+
 
 
 hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers)

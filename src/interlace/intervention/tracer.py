@@ -15,6 +15,7 @@ import sys
 
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
+from ..tracing.generators import Ready
 from .body import BodyJob
 from .access import active_interleaver
 from .edit import replays
@@ -112,6 +113,15 @@ class InterleavingTracer(IterMixin, Tracer):
                 "(it waits for the model to finish) or after the block"
             )
         return self._result
+
+    def __interlace_read__(self, name):
+        """`tracer.result` in a body running as a generator: an iterator that yields until
+        the run's end (tracing/generators.py)."""
+        engine = self.engine
+        interleaver = None if engine is None else engine.active()
+        if name != "result" or interleaver is None or interleaver.current is None:
+            return Ready(getattr(self, name))
+        return interleaver.generator_read(interleaver.state.result_key)
 
     def run_untraced(self):
         """`model.trace(*inputs, trace=False)`: run the model on this tracer's inputs with no

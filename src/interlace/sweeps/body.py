@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import weakref
 
+from ..intervention import routes
 from ..intervention.mediator import ENDED_EARLY, StopSignal
 from ..tracing.save import TraceState
 from ..tracing.tracer import is_interlace_file
+
+
+UNDECIDED = object()
+"""`Job.route_block` before the first item asks (`ItemBody.route_block`)."""
 
 
 class ItemBody:
@@ -34,7 +39,7 @@ class ItemBody:
     """
 
     __slots__ = ("index", "item", "args", "kwargs", "key", "job", "saved", "iter_rows",
-                 "observers")
+                 "observers", "state")
 
     def __init__(self, index, item, args, kwargs, key):
         self.index = index
@@ -46,6 +51,7 @@ class ItemBody:
         self.saved = None
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
         self.observers = None  # [(key, fn)] its `sweep.cache()` recorders, once it made one
+        self.state = None  # its save state while it runs as a generator (`generator`)
 
     def __reduce__(self):  # what travels to a Ray worker: the entry, not its run
         return (ItemBody, (self.index, self.item, self.args, self.kwargs, self.key))
@@ -67,12 +73,17 @@ class ItemBody:
             interleaver.stop()  # raises StopSignal once the model was told to stop
         raise StopSignal()
 
-    def __call__(self):
-        self.saved = self.iter_rows = self.observers = None  # this run's, not an earlier one's
+    def _deferred(self):
         job = self.job
         body = job.body
         if body is None:  # one deferred body per sweep: items differ only in their save state
             body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
+        return body
+
+    def __call__(self):
+        self.saved = self.iter_rows = self.observers = None  # this run's, not an earlier one's
+        job = self.job
+        body = job.body or self._deferred()
         # `run` enters the state it finds; `results` reads it after the other items of the
         # batch have run theirs, so it is set again there. A state is reused once its item
         # has finished (`Job.states`): only its `saved` set is per item, and it is emptied.
@@ -93,6 +104,51 @@ class ItemBody:
                 self.saved = body.results(values)
                 state.saved.clear()
                 states.append(state)
+
+
+    # -- the generator route (intervention/routes.py) ----------------------------------------
+
+    def route_block(self):
+        """The sweep body's Block when items may run as generators; None: on greenlets
+        (decided once per sweep)."""
+        job = self.job
+        block = job.route_block
+        if block is UNDECIDED:
+            block = job.route_block = routes.eligible(self._deferred())
+        return block
+
+    def generator(self):
+        """`__call__`'s body as a generator (its reads are its yields); `finish`,
+        `ended_early` or `failed` follows."""
+        self.saved = self.iter_rows = self.observers = None
+        job = self.job
+        body = job.body  # (made by `route_block`)
+        states = job.states
+        state = self.state = body.state = states.pop() if states else TraceState(None)
+        return body.generator(), state
+
+    def finish(self, values, plain=False):
+        body = self.job.body
+        state = self.state
+        self.state = None
+        body.state = state
+        self.saved = body.results(values if plain else body.generator_locals(values))
+        state.saved.clear()
+        self.job.states.append(state)
+
+    def ended_early(self, signal):
+        self.finish(self.job.body.locals_at(signal), plain=True)
+
+    def failed(self, error):
+        if isinstance(error, Exception):
+            name_item(error, self.index, self.item)
+        return error
+
+    def audited(self, strays):
+        routes.audited(self.job.body.block, strays)
+
+    def stray_wait(self, where):
+        return routes.stray(self.job.body.block, where)
 
 
 def name_item(error, index, item):

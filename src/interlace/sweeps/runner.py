@@ -36,7 +36,7 @@ from ..errors import BatchingWarning, InterlaceError
 from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
 from ..intervention.access import engine_of, module_of
-from .body import ItemBody, item_of, name_item
+from .body import UNDECIDED, ItemBody, item_of, name_item
 from .inputs import Inputs, split
 from .results import compact
 
@@ -68,6 +68,7 @@ class Job:
         self.store = store  # with save_to=: the folder (store.py)
         self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
         self.states = []  # save states of finished items, for the next items (body.ItemBody)
+        self.route_block = UNDECIDED  # the body's Block if items may run as generators, else None
 
     def entries(self, model, items):
         """`items` as Entries (each with its inputs and batch key), made lazily; an item whose

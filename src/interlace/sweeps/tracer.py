@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 
-from greenlet import getcurrent
-
 from ..errors import InterlaceError
 from ..intervention.cache import make_cache
 from ..intervention.access import engine_of
 from ..intervention.grads import block_uses_backward
 from ..intervention.iteration import IterMixin
+from ..intervention.mediator import runs_here
 from ..tracing import Backend, Tracer
+from ..tracing.generators import Ready
 from . import executors
 from .body import ItemBody, caller_namespace, own_state, saved_names
 from .results import SweepResults
@@ -95,7 +95,24 @@ class SweepTracer(IterMixin, Tracer):
         body = self._body("sweep.output")
         interleaver = engine_of(self.model).active()
         mediator = interleaver.mediator("sweep.output")
-        value = interleaver.read(interleaver.state.result_key)
+        return self._trimmed(body, mediator, interleaver.read(interleaver.state.result_key))
+
+    def __interlace_read__(self, name):
+        """`sweep.output` in an item body running as a generator: an iterator that yields
+        until the run's end (tracing/generators.py)."""
+        if name != "output":
+            return Ready(getattr(self, name))
+        return self._output_read()
+
+    def _output_read(self):
+        body = self._body("sweep.output")
+        interleaver = engine_of(self.model).active()
+        mediator = interleaver.mediator("sweep.output")
+        value = yield from interleaver.generator_read(interleaver.state.result_key)
+        return self._trimmed(body, mediator, value)
+
+    @staticmethod
+    def _trimmed(body, mediator, value):
         job = body.job
         if job.generate and job.run.mask is not None:
             mask = job.run.mask if mediator.rows is None else job.run.mask[mediator.rows]
@@ -157,7 +174,7 @@ class SweepTracer(IterMixin, Tracer):
             engine = self._engine = engine_of(self.model)
         interleaver = engine.running
         mediator = None if interleaver is None else interleaver.current
-        if mediator is None or mediator.worker is not getcurrent():  # not the item's own code
+        if mediator is None or not runs_here(mediator):  # not the item's own code
             interleaver = engine.active()
             mediator = None if interleaver is None else interleaver.enclosing()
         if mediator is None:
