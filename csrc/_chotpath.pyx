@@ -522,6 +522,10 @@ cdef class Exchange:
         hub.park(key, occ, mediator)
         mediator.event = None
         mediator.body_grad = self.is_grad_enabled()
+        return self.c_wait(mediator)
+
+    cdef object c_wait(self, MediatorCore mediator):
+        # the parked body's switch to the model side (counted), until it is served
         mediator.parks += 1
         payload = mediator.worker.parent.switch(PARKED)
         if payload is None:
@@ -542,24 +546,10 @@ cdef class Exchange:
         return self.c_request(<MediatorCore?>mediator, key)
 
     cdef object c_request(self, MediatorCore mediator, Py_ssize_t key):
-        cdef Hub hub = self.hub
-        cdef Py_ssize_t passed, occ
-        cdef Pointer pointer = <Pointer?>mediator.pointer
-        if hub is None:
-            raise RuntimeError("Exchange.request() outside a run: call begin(hub, thread) first")
-        event = mediator.event
-        passed = hub.so_far(key)
-        if event is not None and (<Event?>event).key == key:
-            occ = pointer.bind((<Event>event).occ)
-            if (<Event>event).occ == occ:
-                return event
-        else:
-            occ = pointer.bind(passed)
-        if self.done or occ < passed:
-            self.refuse(key, occ, passed, event)  # raises
-        if self.tapper is None or not self.tapper.c_install(self, key, self.root_call):
-            self.install_by_policy(key)
-        self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
+        event = self.c_prepare(mediator, key)
+        if event is not None:
+            return event
+        self.c_wait(mediator)  # switch to the model side, wait to be served
         return mediator.event
 
     def prepare(self, MediatorCore mediator not None, Py_ssize_t key):
@@ -567,11 +557,14 @@ cdef class Exchange:
         `request`'s work up to the wait. Returns the `Event` when the body is being served
         that occurrence already; else parks `mediator` for it, notes the body's grad mode and
         returns None (the body then yields PARKED; once resumed, `mediator.event` is it)."""
+        return self.c_prepare(mediator, key)
+
+    cdef object c_prepare(self, MediatorCore mediator, Py_ssize_t key):
         cdef Hub hub = self.hub
         cdef Py_ssize_t passed, occ
         cdef Pointer pointer = <Pointer?>mediator.pointer
         if hub is None:
-            raise RuntimeError("Exchange.prepare() outside a run: call begin(hub, thread) first")
+            raise RuntimeError("Exchange.request() outside a run: call begin(hub, thread) first")
         event = mediator.event
         passed = hub.so_far(key)
         if event is not None and (<Event?>event).key == key:

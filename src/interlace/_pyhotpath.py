@@ -429,14 +429,7 @@ class Exchange:
         hub.park(key, occ, mediator)
         mediator.event = None
         mediator.body_grad = self.is_grad_enabled()
-        mediator.parks += 1
-        payload = mediator.worker.parent.switch(PARKED)
-        if payload is None:
-            return None
-        try:
-            return mediator.received(payload)
-        finally:
-            payload = None  # an error raised here has this frame in its traceback: no cycle
+        return _wait(mediator)
 
     def request(self, key, mediator=None):
         """Body side: wait for location `key` at the occurrence `mediator`'s pointer names
@@ -463,25 +456,7 @@ class Exchange:
         if not isinstance(mediator, MediatorCore):
             raise TypeError(f"Argument 'mediator' has incorrect type (expected "
                             f"{__name__}.MediatorCore, got {type(mediator).__name__})")
-        hub = self.hub
-        if hub is None:
-            raise RuntimeError("Exchange.prepare() outside a run: call begin(hub, thread) first")
-        event = mediator.event
-        passed = hub.so_far(key)
-        if event is not None and event.key == key:
-            occ = mediator.pointer.bind(event.occ)
-            if event.occ == occ:
-                return event
-        else:
-            occ = mediator.pointer.bind(passed)
-        if self.done or occ < passed:
-            self.refuse(key, occ, passed, event)  # raises
-        if self.tapper is None or not self.tapper.install(self, key, self.root_call):
-            self.install_by_policy(key)
-        hub.park(key, occ, mediator)
-        mediator.event = None
-        mediator.body_grad = self.is_grad_enabled()
-        return None
+        return _prepare(self, mediator, key)
 
     def read(self, key):
         """Body side: the value of location `key` at the bound occurrence, as the running
@@ -527,6 +502,15 @@ _deliver, _serve, _resume = Exchange.deliver, Exchange.serve, Exchange.resume
 
 def _request(self, mediator, key):
     """`Exchange.request`'s work, non-virtual (the compiled `c_request`)."""
+    event = _prepare(self, mediator, key)
+    if event is not None:
+        return event
+    _wait(mediator)  # switch to the model side, wait to be served
+    return mediator.event
+
+
+def _prepare(self, mediator, key):
+    """`Exchange.prepare`'s work (the compiled `c_prepare`): the served event, or None parked."""
     hub = self.hub
     if hub is None:
         raise RuntimeError("Exchange.request() outside a run: call begin(hub, thread) first")
@@ -542,8 +526,23 @@ def _request(self, mediator, key):
         self.refuse(key, occ, passed, event)  # raises
     if self.tapper is None or not self.tapper.install(self, key, self.root_call):
         self.install_by_policy(key)
-    self.wait_for(mediator, key, occ)  # park, switch to the model side, wait
-    return mediator.event
+    hub.park(key, occ, mediator)
+    mediator.event = None
+    mediator.body_grad = self.is_grad_enabled()
+    return None
+
+
+def _wait(mediator):
+    """The parked body's switch to the model side (counted), until it is served (the compiled
+    `c_wait`)."""
+    mediator.parks += 1
+    payload = mediator.worker.parent.switch(PARKED)
+    if payload is None:
+        return None
+    try:
+        return mediator.received(payload)
+    finally:
+        payload = None  # an error raised here has this frame in its traceback: no cycle
 
 
 class Hook:

@@ -637,6 +637,19 @@ class Interleaver(hotpath.Exchange):
     def generator_read(self, key):
         """`read(key)` for a body running as a generator (or its audit): a generator that
         yields PARKED while the value is not there yet, and returns it."""
+        event = yield from self._generator_event(key)
+        mediator = self.current
+        if mediator.rows is None:
+            return event.value
+        return self.narrowed(event, mediator, key)
+
+    def generator_write(self, key, value):
+        """`write(key, value)` for a body running as a generator (see `generator_read`)."""
+        event = yield from self._generator_event(key)
+        self._written(self.current, event, key, value)
+
+    def _generator_event(self, key):
+        # the request of a generator body: the event it is served, once it is
         mediator = self.current
         if mediator is None or not runs_here(mediator):
             mediator = self.mediator(key)  # raises: not the running body
@@ -646,22 +659,7 @@ class Interleaver(hotpath.Exchange):
             if payload is not None:
                 mediator.received(payload)  # raises the signal or error it is
             event = mediator.event
-        if mediator.rows is None:
-            return event.value
-        return self.narrowed(event, mediator, key)
-
-    def generator_write(self, key, value):
-        """`write(key, value)` for a body running as a generator (see `generator_read`)."""
-        mediator = self.current
-        if mediator is None or not runs_here(mediator):
-            mediator = self.mediator(key)  # raises: not the running body
-        event = self.prepare(mediator, key)
-        if event is None:
-            payload = yield PARKED
-            if payload is not None:
-                mediator.received(payload)
-            event = mediator.event
-        self._written(mediator, event, key, value)
+        return event
 
     def skip(self, index, value):
         """Body side: module `index` does not run at the bound occurrence; `value` is its output."""
