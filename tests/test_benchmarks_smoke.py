@@ -332,3 +332,19 @@ def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "| prototype | 1,100 | +100 | 520 |" in shown and "| trace, whole | 1,400 | +400 | 700 |" in shown
     assert [o.split("=")[0] for o in steps.cache_options()[1:]] == ["--D1", "--I1", "--LL"]
+
+
+def test_routes_probe_times_both_routes_of_the_same_sites(tmp_path):
+    """`probes/routes.py`: the same warm sites timed as generators and on greenlets, in paired
+    rounds; each case reports both medians, and the sites run as generators again after."""
+    env = dict(os.environ)
+    env.pop("INTERLACE_NO_GENERATORS", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "routes.py"),
+                           "--rounds", "3", "--sweep-rounds", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["linear", "tiny", "sweep per item"]
+    for row in rows[1:]:
+        generator, greenlet = (float(cell.strip().replace(",", "")) for cell in row.split("|")[2:4])
+        assert generator > 0 and greenlet > 0
