@@ -341,3 +341,25 @@ def test_the_environment_switch_keeps_every_body_on_greenlets():
 def test_mediator_classes_are_the_engines_own():
     assert issubclass(GeneratorMediator, Mediator) and issubclass(AuditMediator, Mediator)
     assert BLOCKS is not None
+
+
+def test_an_assignment_the_model_then_fails_on_is_named_at_its_line_in_a_generator_body(gpt2_model, ids):
+    import inspect
+
+    model = gpt2_model
+    line = None
+    kinds = []
+    for width in (64, 64, 7):
+        try:
+            with torch.no_grad(), model.trace(ids):
+                kinds.append(_kind(model))
+                model.transformer.h[0].mlp.output = torch.zeros(2, 12, width)
+        except RuntimeError as error:
+            line = inspect.getsourcelines(test_an_assignment_the_model_then_fails_on_is_named_at_its_line_in_a_generator_body)
+            start = line[1] + next(i for i, text in enumerate(line[0]) if "mlp.output = torch.zeros" in text)
+            if hasattr(error, "__notes__"):  # 3.11+
+                assert error.__notes__ == [
+                    f"interlace: the trace body set model.transformer.h.0.mlp.output at {__file__}:{start} "
+                    f"before the model raised this; check the value assigned there"
+                ]
+    assert line is not None and kinds == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]

@@ -51,6 +51,9 @@ from .mediator import (
 from .sharing import Sharing, shares
 
 
+_READ = object()  # `generator_read`'s "no value to write"
+
+
 class _Abort(BaseException):
     """Unwinds the model's forward after a body failed (the body's error is re-raised)."""
 
@@ -634,22 +637,10 @@ class Interleaver(hotpath.Exchange):
 
     # -- requests of a generator body (routes.py): each waits by yielding PARKED ------------
 
-    def generator_read(self, key):
+    def generator_read(self, key, value=_READ):
         """`read(key)` for a body running as a generator (or its audit): a generator that
-        yields PARKED while the value is not there yet, and returns it."""
-        event = yield from self._generator_event(key)
-        mediator = self.current
-        if mediator.rows is None:
-            return event.value
-        return self.narrowed(event, mediator, key)
-
-    def generator_write(self, key, value):
-        """`write(key, value)` for a body running as a generator (see `generator_read`)."""
-        event = yield from self._generator_event(key)
-        self._written(self.current, event, key, value)
-
-    def _generator_event(self, key):
-        # the request of a generator body: the event it is served, once it is
+        yields PARKED while the value is not there yet, and returns it; with `value`,
+        `write(key, value)` the same way (see `generator_write`)."""
         mediator = self.current
         if mediator is None or not runs_here(mediator):
             mediator = self.mediator(key)  # raises: not the running body
@@ -659,7 +650,16 @@ class Interleaver(hotpath.Exchange):
             if payload is not None:
                 mediator.received(payload)  # raises the signal or error it is
             event = mediator.event
-        return event
+        if value is not _READ:
+            self._written(mediator, event, key, value)
+            return None
+        if mediator.rows is None:
+            return event.value
+        return self.narrowed(event, mediator, key)
+
+    def generator_write(self, key, value):
+        """`write(key, value)` for a body running as a generator (see `generator_read`)."""
+        return self.generator_read(key, value)
 
     def skip(self, index, value):
         """Body side: module `index` does not run at the bound occurrence; `value` is its output."""

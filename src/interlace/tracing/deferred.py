@@ -144,7 +144,7 @@ class DeferredBody(_native.frames.DeferredBase):
                 code, globals_, code.co_name, (_locals, *DEFAULTS))
         self._code = function.__code__
         self._entry = namespace
-        return function(*[namespace[name] for name in params])
+        return function(*map(namespace.__getitem__, params))
 
     @staticmethod
     def generator_locals(result: dict) -> dict:
