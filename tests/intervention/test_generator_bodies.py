@@ -363,3 +363,51 @@ def test_an_assignment_the_model_then_fails_on_is_named_at_its_line_in_a_generat
                     f"before the model raised this; check the value assigned there"
                 ]
     assert line is not None and kinds == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
+
+
+def test_module_level_and_class_body_sites_run_as_generators_too():
+    script = (
+        "import torch, interlace\n"
+        "model = interlace.Model(torch.nn.Sequential(torch.nn.Linear(2, 2)))\n"
+        "x = torch.ones(1, 2)\n"
+        "expected = model._module(x)\n"
+        "kinds = []\n"
+        "for i in range(3):\n"
+        "    with torch.no_grad(), model.trace(x):\n"
+        "        kinds.append(type(model._active().current).__name__)\n"
+        "        out = model[0].output.save()\n"
+        "    assert torch.allclose(out, expected)\n"
+        "class Holder:\n"
+        "    for i in range(3):\n"
+        "        with torch.no_grad(), model.trace(x):\n"
+        "            kinds.append(type(model._active().current).__name__)\n"
+        "            y = model[0].output.save()\n"
+        "assert torch.allclose(Holder.y, expected)\n"
+        "print(' '.join(kinds))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("INTERLACE_NO_GENERATORS", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"] * 2
+
+
+def test_a_generator_body_traced_in_another_thread(gpt2, gpt2_model, ids):
+    import threading
+
+    mlp0, _ = _reference(gpt2, ids)
+    out = {}
+
+    def work():
+        kinds, values = [], []
+        for _ in range(3):
+            with torch.no_grad(), gpt2_model.trace(ids):
+                kinds.append(_kind(gpt2_model))
+                values.append(gpt2_model.transformer.h[0].mlp.output.save())
+        out["kinds"], out["values"] = kinds, values
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(60)
+    assert out["kinds"] == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
+    assert all(torch.equal(v, mlp0) for v in out["values"])
