@@ -411,3 +411,35 @@ def test_a_generator_body_traced_in_another_thread(gpt2, gpt2_model, ids):
     thread.join(60)
     assert out["kinds"] == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
     assert all(torch.equal(v, mlp0) for v in out["values"])
+
+
+def test_a_trace_run_inside_the_forward_while_a_generator_body_waits(mlp_model, x6):
+    """Re-entrancy: the traced model's forward traces another model (whose body is a
+    generator too) while the outer generator body waits for a later value."""
+    inner_model = mlp_model
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(6, 6)
+            self.last = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.first(x)
+            with torch.no_grad(), inner_model.trace(h):
+                inner = inner_model[0].output.save()
+            self.seen = inner
+            return self.last(inner_model._module(h))
+
+    torch.manual_seed(0)
+    outer_module = Outer().eval()
+    outer = interlace.Model(outer_module)
+    kinds = []
+    for _ in range(3):
+        with torch.no_grad(), outer.trace(x6):
+            kinds.append(_kind(outer))
+            first = outer.first.output.save()
+            last = outer.last.output.save()
+        assert torch.allclose(outer_module.seen, inner_model._module[0](first))
+        assert torch.allclose(last, outer_module(x6))
+    assert kinds == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
