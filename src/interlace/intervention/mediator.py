@@ -387,7 +387,6 @@ class GeneratorMediator(Mediator):
             error = None  # (no cycle through this frame's local: see `received`)
 
 
-
 class AuditMediator(Mediator):
     """A site's first run: the generator body driven on a worker greenlet. Its yields
     park it as a greenlet body parks; a wait that is not one of its yields (a function it
@@ -431,7 +430,6 @@ class AuditMediator(Mediator):
     def paused_frame(self):
         frame = yielding_frame(self.gen)
         return frame if frame is not None else super().paused_frame()
-
 
 
 hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers)

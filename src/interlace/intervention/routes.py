@@ -2,8 +2,9 @@
 
 A body that waits for values runs beside the model. On a greenlet it can wait anywhere,
 in any function it calls; as a generator (tracing/generators.py: each read is a `yield`)
-it waits only in its own lines, and costs much less per wait (docs/architecture.md,
-"Generator bodies"). The route is chosen per call site, never by the user:
+it waits only in its own lines, with a `send` per wait instead of a switch pair (what that
+saves, measured, and what it does not yet: docs/architecture.md, "Generator bodies"). The
+route is chosen per call site, never by the user:
 
 1. A site whose body capture cannot prove (`generators.refusal`: a read in a lambda or a
    comprehension, a `with` statement, `tracer.iter`, a barrier...) stays on greenlets.
