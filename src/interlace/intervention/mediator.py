@@ -306,8 +306,8 @@ class GenWorker:
 
     @property
     def parent(self):
-        mediator = self.mediator
-        return StrayWait(mediator.fn.stray_wait if mediator is not None else None)
+        # (only a running body waits, and it has its mediator)
+        return StrayWait(self.mediator.fn.stray_wait)
 
     @property
     def gr_frame(self):

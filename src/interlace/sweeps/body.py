@@ -128,6 +128,7 @@ class ItemBody:
         return body.generator(), state
 
     def finish(self, values, plain=False):
+        # (`__call__`'s `finally` does the same inline: a Python call per item less there)
         body = self.job.body
         state = self.state
         self.state = None
