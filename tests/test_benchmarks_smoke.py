@@ -338,7 +338,7 @@ def test_routes_probe_times_both_routes_of_the_same_sites(tmp_path):
     """`probes/routes.py`: the same warm sites timed as generators and on greenlets, in paired
     rounds; each case reports both medians, and the sites run as generators again after."""
     env = dict(os.environ)
-    env.pop("INTERLACE_NO_GENERATORS", None)
+    env.pop("INTERLACE_GENERATORS", None)  # (the probe turns the route on itself)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "routes.py"),
                            "--rounds", "3", "--sweep-rounds", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

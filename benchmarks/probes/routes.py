@@ -62,7 +62,7 @@ def paired(cases, rounds, evict):
         sites[name] = _blocks_of(code)
         if not sites[name] or any(block.route is not routes.GENERATOR for block in sites[name]):
             raise SystemExit(f"{name}: the site does not run as a generator here "
-                             f"({[block.route for block in sites[name]]}); is INTERLACE_NO_GENERATORS set?")
+                             f"({[block.route for block in sites[name]]})")
     order = [(name, route) for name in cases for route in (routes.GENERATOR, GREENLET)]
     for _ in range(rounds):
         random.shuffle(order)
@@ -132,6 +132,7 @@ def main(argv=None):
     parser.add_argument("--evict", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    routes.ENABLED = True  # (off by default: this probe is what measures it)
     every = cases()
     sweep = {"sweep": every.pop("sweep")}
     results = paired(every, args.rounds, args.evict)
