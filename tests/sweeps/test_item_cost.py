@@ -150,3 +150,33 @@ def test_a_shared_input_without_the_batch_dim_is_still_refused():
     scalar = torch.tensor(1.0)
     with pytest.raises(BatchingError, match="in invoke 0"):
         Batcher(0)._combine([scalar] * 3, "positional argument 0")
+
+
+def _collect(model, windows, batch_size):
+    """The activation-collection body (`benchmarks/probes/datasets.py`): two layers' rows of
+    each window saved, the item's forward stopped after the last one."""
+    with torch.no_grad(), model.sweep(windows, input=lambda ids: ids[None], batch_size=batch_size,
+                                      progress=False) as sweep:
+        first = model.transformer.h[0].output[0].save()
+        last = model.transformer.h[1].output[0].save()
+        sweep.stop()
+    return first, last
+
+
+def test_an_items_own_calls_do_not_grow_with_its_batch(model):
+    # `sweep.stop()` asks whether the batch's other items are done: scanned from the start of
+    # the batch, the question cost each item its position in it (33 calls per item at 64).
+    # A per-item input's batch key is one call, however deep its structure.
+    windows = torch.randint(0, 1000, (128, 6), generator=torch.Generator().manual_seed(0))
+    per_item = {}
+    for size in (8, 64):
+        _collect(model, windows, size)  # warm
+        (first, last), calls = _own_calls(lambda: _collect(model, windows, size))
+        per_item[size] = sum(calls.values()) / len(windows)
+        assert not any(name == "_value_key" for _, name in calls), calls
+    assert per_item[64] <= per_item[8] + 0.5, per_item
+    for k in (0, 77, 127):  # and the values are each window's alone
+        with torch.no_grad(), model.trace(windows[k][None]):
+            h0 = model.transformer.h[0].output[0].save()
+            h1 = model.transformer.h[1].output[0].save()
+        assert torch.equal(first[k], h0) and torch.equal(last[k], h1)

@@ -363,3 +363,42 @@ def test_a_shards_schema_in_its_manifest_line_is_the_files(model, tmp_path, corr
     same(run(tmp_path / "s"))  # resumed: nothing to run, every shard's schema read from its file
     table = datasets.load_from_disk(str(tmp_path / "s"))
     assert list(table["index"]) == list(range(9)) and list(table["count"]) == [2 * i + 100 for i in range(9)]
+
+
+def test_rows_written_with_their_batch_are_read_in_place_and_buffered_rows_own_their_values(
+        model, tmp_path):
+    """With save_to=, a batch's saved views are written straight from the batch's tensors (no
+    copy per item); a row that stays buffered past its batch (a smaller batch of another key,
+    a batch that finished before the items ahead of it) is compacted first, so that it never
+    pins its batch. Both give each item's values alone."""
+    from interlace.sweeps.results import _pins_more
+    from interlace.sweeps.runner import Entry, InOrder
+    from interlace.sweeps.store import Sink, Store
+
+    big = torch.randn(8, 5, 64)
+    views = [{"h": big[i, -1]} for i in range(8)]  # each pins the whole of `big`
+    assert all(_pins_more(v["h"]) for v in views)
+    store = Store(tmp_path / "unit", {"format": 0}, ["h"])
+    sink = Sink(store, type("Job", (), {"input": None})(), "t")
+    sink.flush_rows = 8
+    entries = [Entry(i, i, (), {}, None) for i in range(8)]
+    assert sink.add_many(entries[:3], views[:3]) == 0  # buffered: compacted
+    assert not any(_pins_more(row[3]["h"]) for row in sink.rows)
+    assert sink.add_many(entries[3:], views[3:]) > 0  # the shard: written from the views
+    assert sink.rows == []
+
+    parked = []
+    done = InOrder(lambda es, vs: parked.extend(vs))
+    done.many(entries[4:], views[4:])  # ahead of items 0-3: they wait, compacted
+    assert parked == [] and not any(_pins_more(v["h"]) for _, v in done.waiting.values())
+
+    # end to end: windows of two lengths, so batches are partial and finish out of order
+    windows = [torch.randint(0, 1000, (1, 4 + 2 * (i // 3 % 2)),
+                             generator=torch.Generator().manual_seed(i)) for i in range(11)]
+    with torch.no_grad(), model.sweep(windows, batch_size=4, progress=False,
+                                      save_to=tmp_path / "e2e") as sweep:
+        last = model.transformer.h[0].output[0, -1].save()
+    for i, window in enumerate(windows):
+        with torch.no_grad(), model.trace(window):
+            h = model.transformer.h[0].output[0, -1].save()
+        assert torch.equal(sweep.results["last"][i], h), i

@@ -68,8 +68,11 @@ class ItemBody:
                 fns.remove(fn)
         self.observers = None
         current = interleaver.current
+        # Scanned from the batch's end: items stop in order, so a later item is usually still
+        # running and ends the scan at once (from the start, a batch would cost its size
+        # squared).
         if not any(observers.values()) and all(
-                m.finished for m in interleaver.mediators if m is not current):
+                m.finished for m in reversed(interleaver.mediators) if m is not current):
             interleaver.stop()  # raises StopSignal once the model was told to stop
         raise StopSignal()
 

@@ -11,7 +11,8 @@ batching strategy) and shows each body only its own rows. What this module adds 
   padded for another's sake and its values, shapes included, equal its values alone.
   `plan_batches` groups a window of items by key, in order of first appearance;
 - `run_batch`: one batch -> each item's saved values, compacted so that no saved view pins
-  the batch's tensors;
+  the batch's tensors (with `save_to=`, the store compacts what it keeps past the batch, and
+  writes the rest straight from the batch's tensors: a copy per item less);
 - `Runner`: the failure policy. Out of memory: split the batch in halves and retry (and keep
   the smaller size for later batches). An item's body raised: run the items before it that
   have not finished (the failing batch was unwound) and raise the error, so that the
@@ -79,6 +80,7 @@ class Job:
         source = self.input
         per_item = callable(source) and not isinstance(source, torch.nn.Module)
         shared = self.kwargs
+        prepare = getattr(model, "prepare_inputs", None)  # looked up once, not per item
         keys = {}
         for index, item in enumerate(items):
             try:
@@ -91,7 +93,7 @@ class Job:
                 if cached is not None and cached[0] is value:  # a shared input: one key
                     key = cached[1]
                 else:
-                    key = batch_key(model, args, kwargs)
+                    key = batch_key(prepare, args, kwargs)
                     if len(keys) > 1024:
                         keys.clear()
                     keys[id(value)] = (value, key)
@@ -127,18 +129,24 @@ class _Recording:
 # -- batch keys -------------------------------------------------------------------------------
 
 
-def batch_key(model, args, kwargs):
-    """Items with equal keys batch without padding or changing each other's inputs."""
-    prepare = getattr(model, "prepare_inputs", None)
+def batch_key(prepare, args, kwargs):
+    """Items with equal keys batch without padding or changing each other's inputs
+    (`prepare`: the model's `prepare_inputs`, or None)."""
     if prepare is not None:  # a language model: the padded width of the item's prompt(s)
         batch, rest = prepare(*args, **kwargs)
         return ("tokens", batch["input_ids"].shape[1], _value_key(rest))
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual item
+        return ("tuple", (("tuple", (_tensor_key(args[0]),)), ("dict", ())))
     return _value_key((args, kwargs))
+
+
+def _tensor_key(value):
+    return ("tensor", value.dtype, tuple(value.shape[1:]) if value.dim() else (), value.device)
 
 
 def _value_key(value):
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.dtype, tuple(value.shape[1:]) if value.dim() else (), value.device)
+        return _tensor_key(value)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_value_key(v) for v in value))
     if isinstance(value, dict):
@@ -182,10 +190,11 @@ def run_batch(model, job, entries):
     out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
                                       edits=replays(model))
     saved = []
+    keep = compact if job.store is None else _as_they_are  # (the store compacts what it keeps)
     for entry in entries:  # nothing of the run stays on the entry (it may wait to be committed)
         values = entry.saved
         entry.saved = entry.observers = None
-        saved.append(compact(values) if values else {})
+        saved.append(keep(values) if values else {})
     if job.generate and len(entries) > 1:
         # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
         # loop, steps it would not have had alone: run it alone again.
@@ -193,6 +202,10 @@ def run_batch(model, job, entries):
             if entry.iter_rows is not None and _ended_early(job, out, entry.iter_rows):
                 saved[position] = run_batch(model, job, [entry])[0]
     return saved
+
+
+def _as_they_are(values):
+    return values
 
 
 def trim_generated(ids, mask, eos):
@@ -341,7 +354,7 @@ class InOrder:
             self.commit((entry,), (values,))
             self.next = index + 1
             return
-        self.waiting[index] = (entry, values)
+        self.waiting[index] = (entry, compact(values))  # it may wait for several batches
         self._advance()
 
     def many(self, entries, values):

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import InterlaceError
-from .results import SweepResults, item_fields
+from .results import SweepResults, compact, item_fields
 
 FORMAT = 1
 HEADER = "interlace-sweep.json"
@@ -421,15 +421,16 @@ class Store:
             )
         return True
 
-    def commit(self, job, entry, values):
-        """Record one finished item: write it (buffered), or count what a worker wrote."""
-        if isinstance(values, Stored):
-            self.nbytes += values.nbytes
+    def commit(self, job, entries, values):
+        """Record finished items (in order, one batch's or fewer): write them (buffered), or
+        count what a worker wrote."""
+        if values and isinstance(values[0], Stored):
+            self.nbytes += sum(v.nbytes for v in values)
             return
         if self.writer is None:
             self.writer = self.sink(job)
         self.writer.flush_rows = self.flush_rows
-        self.nbytes += self.writer.add(entry, values)
+        self.nbytes += self.writer.add_many(entries, values)
 
     def flush(self):
         """Write what is buffered (the items finished before an error or Ctrl-C too)."""
@@ -551,9 +552,20 @@ class Sink:
         self.per_item = job.input is not None and is_callable_input(job.input)
 
     def add(self, entry, values):
-        self.rows.append((entry.index, entry.item, entry, values))  # hashed a batch at once
-        if len(self.rows) >= self.flush_rows:
+        return self.add_many((entry,), (values,))
+
+    def add_many(self, entries, values):
+        """Buffer finished items (hashed a batch at once); write a shard once there are
+        `flush_rows`. Values that stay buffered past this call are compacted (`compact`): a
+        saved view would pin its batch's tensors; those written now are read where they are."""
+        rows = self.rows
+        start = len(rows)
+        rows.extend([(e.index, e.item, e, v) for e, v in zip(entries, values)])
+        if len(rows) >= self.flush_rows:
             return self.flush()
+        for i in range(start, len(rows)):
+            index, item, entry, saved = rows[i]
+            rows[i] = (index, item, entry, compact(saved))
         return 0
 
     def flush(self):
@@ -582,8 +594,13 @@ class Sink:
                            "fields": self.header["fields"]}) + "\n"
         # not synced: a line lost to a power cut only makes its items run again (the shard it
         # names was synced before the line was written, so a line never names a partial shard)
-        with open(os.path.join(self.path, f"{MANIFEST}{self.name}.jsonl"), "a") as f:
-            f.write(line)
+        # one appending write (os-level: Python's buffered file costs more than the write)
+        fd = os.open(os.path.join(self.path, f"{MANIFEST}{self.name}.jsonl"),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
         return nbytes
 
     def encode(self, rows):

@@ -82,8 +82,7 @@ def committer(sweep, job, bar):
         if store is None:
             results.extend([entry.item for entry in entries], values)
         else:
-            for entry, saved in zip(entries, values):
-                store.commit(job, entry, saved)
+            store.commit(job, entries, values)
         if bar is not None:
             bar.update(len(entries))
             now = time.perf_counter()
