@@ -77,7 +77,7 @@ class Contender:
     def fixed(self, s): return None
     def wrapped(self, s): return None
     def noop_tracer(self, s): return None
-    def collect(self, s, items): return None
+    def collect(self, s, items, tokens): return None
     def edited(self, s, how): return None
     def sweep_item(self, s, repeat, batch): return None
 
@@ -213,11 +213,11 @@ class Hooks(Contender):
         module, layers, (clean, corrupt, items) = s.module, s.layers(), patching(s, repeat)
         return lambda: torch.cat(P.floor(module, layers, items, corrupt, clean, batch, per_row=True))
 
-    def collect(self, s, items):
+    def collect(self, s, items, tokens):
         from .probes import datasets as D
 
         module, layers, folder = s.module, list(s.layers()), _folder()
-        ids = D.windows(s.shape.vocab, items, s.shape.tokens).to(s.device)
+        ids = D.windows(s.shape.vocab, items, tokens).to(s.device)
 
         def run():
             shutil.rmtree(folder, ignore_errors=True)
@@ -391,7 +391,7 @@ class Interlace(Contender):
                     x = 1  # noqa: F841 - the body under test, never read
         return run
 
-    def collect(self, s, items):
+    def collect(self, s, items, tokens):
         if importlib.util.find_spec("datasets") is None:
             return None  # save_to= needs the extra: pip install 'interlace[datasets]'
         from .probes import datasets as D
@@ -399,7 +399,7 @@ class Interlace(Contender):
         model, folder = self.model(s), _folder()
         layers = s.layers(model)
         first, last = layers[0], layers[len(s.layers()) - 1]
-        ids = D.windows(s.shape.vocab, items, s.shape.tokens).to(s.device)
+        ids = D.windows(s.shape.vocab, items, tokens).to(s.device)
 
         def run():
             D.sweep(model, first, last, ids, folder)

@@ -1,7 +1,11 @@
 """Activation collection to disk: `model.sweep(..., save_to=)` against a hand-written hooks loop.
 
     python benchmarks/probes/datasets.py                  # tiny and small4 GPT-2, CPU: rows/s, MB/s
-    python benchmarks/probes/datasets.py --items 4096 --shapes small4
+    python benchmarks/probes/datasets.py --items 4096 --shapes small4 --tokens 128
+
+Windows of 128 tokens (512 of them) are the shape of activation collection: SAE training data
+is cut into windows of 128 tokens or more. Windows of 16 tokens (1,024) are its stress case: a
+forward so short that what a sweep costs per item (issue 20) shows.
 
 Both write the same files: one Arrow stream file per batch (written under a temporary name,
 synced, renamed), with the columns `index`, `item` (the token ids) and one per layer (its
@@ -11,7 +15,7 @@ output, `(tokens, n_embd)` per row; the first and the last layer), then `state.j
 arrays built from the batch's tensors at once. The sweep adds its manifest (the crash safety
 and resume bookkeeping) and its per-item bodies. `python -m benchmarks --workloads datasets`
 times the same two in the harness (contenders `hooks` and `interlace`, op `collect`).
-Goal (issue 22): the sweep within 1.2x of the hand-written loop. The last columns time the same
+Goal (issue 22): the sweep within 1.2x of the hand-written loop (128-token windows). The last columns time the same
 sweep keeping its values in memory: the difference is what writing the folder adds, per row.
 """
 
@@ -165,8 +169,9 @@ def build(shape):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="tiny,small4")
-    p.add_argument("--items", type=int, default=1024)
-    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--items", type=int, default=None,
+                   help="windows per sweep (default: 512 of 128 tokens or more, else 1,024)")
+    p.add_argument("--tokens", default="128,16", help="tokens per window, one or more")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     o = p.parse_args(argv)
@@ -177,14 +182,15 @@ def main(argv=None):
     import interlace
 
     root = tempfile.mkdtemp(prefix="bench-datasets-")
-    print("| model | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s | sweep / hooks "
-          "| in memory rows/s | writing, us/row |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | tokens | items | sweep rows/s | sweep MB/s | hooks rows/s | hooks MB/s "
+          "| sweep / hooks | in memory rows/s | writing, us/row |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     try:
-        for shape in o.shapes.split(","):
+        for shape, tokens in [(s, int(t)) for s in o.shapes.split(",") for t in o.tokens.split(",")]:
+            items = o.items or (512 if tokens >= 128 else 1024)
             module = build(shape)
             model = interlace.Model(module)
-            ids = windows(module.config.vocab_size, o.items, o.tokens)
+            ids = windows(module.config.vocab_size, items, tokens)
             times = {"sweep": [], "hooks": [], "memory": []}
             size = {}
             first, last = model.transformer.h[0], model.transformer.h[-1]
@@ -200,9 +206,10 @@ def main(argv=None):
                     times[way].append(time.perf_counter() - start)
                     size[way] = folder_bytes(folder) if way != "memory" else 0
             s, h, mem = (statistics.median(times[way]) for way in ("sweep", "hooks", "memory"))
-            print(f"| {shape} | {o.items} | {o.items / s:,.0f} | {size['sweep'] / s / 1e6:,.1f} | "
-                  f"{o.items / h:,.0f} | {size['hooks'] / h / 1e6:,.1f} | {s / h:.2f}x | "
-                  f"{o.items / mem:,.0f} | {(s - mem) / o.items * 1e6:.1f} |", flush=True)
+            print(f"| {shape} | {tokens} | {items} | {items / s:,.0f} | "
+                  f"{size['sweep'] / s / 1e6:,.1f} | {items / h:,.0f} | "
+                  f"{size['hooks'] / h / 1e6:,.1f} | {s / h:.2f}x | {items / mem:,.0f} | "
+                  f"{(s - mem) / items * 1e6:.1f} |", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -7,7 +7,8 @@ also an item field gets the suffix `_saved`).
 
 `compact` is why a saved value never pins its batch: a tensor the body saved that is a view
 into a larger storage (an item's rows of a batched activation, `logits[:, -1]`) is copied to
-its own storage when the item finishes. Values keep their device and dtype (move them in the
+its own storage when the item finishes (with `save_to=`, by the store, and only for the rows
+it keeps past their batch: store.py). Values keep their device and dtype (move them in the
 body, e.g. `.cpu()`, if you want them elsewhere).
 """
 
