@@ -190,11 +190,11 @@ def run_batch(model, job, entries):
     out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
                                       edits=replays(model))
     saved = []
-    keep = compact if job.store is None else _as_they_are  # (the store compacts what it keeps)
+    own = job.store is None  # (else the store compacts what it keeps past the batch)
     for entry in entries:  # nothing of the run stays on the entry (it may wait to be committed)
         values = entry.saved
         entry.saved = entry.observers = None
-        saved.append(keep(values) if values else {})
+        saved.append((compact(values) if own else values) if values else {})
     if job.generate and len(entries) > 1:
         # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
         # loop, steps it would not have had alone: run it alone again.
@@ -202,10 +202,6 @@ def run_batch(model, job, entries):
             if entry.iter_rows is not None and _ended_early(job, out, entry.iter_rows):
                 saved[position] = run_batch(model, job, [entry])[0]
     return saved
-
-
-def _as_they_are(values):
-    return values
 
 
 def trim_generated(ids, mask, eos):

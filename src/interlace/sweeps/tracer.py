@@ -129,7 +129,8 @@ class SweepTracer(IterMixin, Tracer):
         alone: its body ends, keeping what it saved so far, and its `sweep.cache()` records
         nothing more. The other items of its batch go on (the last to stop stops the
         forward pass, see `ItemBody.stop`)."""
-        self._body("sweep.stop()").stop(self.engine.active())
+        body = self._body("sweep.stop()")  # (which looks up `self._engine`)
+        body.stop(self._engine.active())
 
     def cache(self, modules=None, device=_CPU, dtype=None, detach=True, include_output=True,
               include_inputs=False, non_blocking=False):

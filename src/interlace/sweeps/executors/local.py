@@ -58,7 +58,7 @@ def entries_of(sweep, job, done):
     """
     entries = job.entries(sweep.model, sweep.items)
     store = job.store
-    if store is None:
+    if store is None or not len(store.finished):  # nothing on disk to skip (a fresh folder)
         return entries
     return (entry for entry in entries if not _skipped(store, job, entry, done))
 
