@@ -12,7 +12,7 @@ STAMP := $(VENV)/.interlace-installed
 # The torch-free tracer core is also tested on these interpreters (skipped, with a line, when absent).
 CORE_VERSIONS ?= 3.10 3.12 3.13
 
-.PHONY: demo check test test-native test-twin test-generators test-core-versions build bench clean
+.PHONY: demo check test test-native test-twin test-greenlets test-core-versions build bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x "$(PY)" || "$(PYTHON311)" -m venv $(VENV)
@@ -43,10 +43,11 @@ test-native: build
 test-twin: build
 	HF_DATASETS_OFFLINE=1 INTERLACE_NO_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The engine's suites once more with generator bodies on (INTERLACE_GENERATORS=1, off by
-# default: intervention/routes.py), compiled path: both routes must give the same results.
-test-generators: build
-	HF_DATASETS_OFFLINE=1 INTERLACE_REQUIRE_EXTENSIONS=1 INTERLACE_GENERATORS=1 $(PY) -m pytest -q tests/intervention tests/models tests/sweeps $(PYTEST_ARGS)
+# The engine's suites once more with generator bodies forced off (INTERLACE_GENERATORS=0:
+# every body on a greenlet; intervention/routes.py), compiled path: both routes must give
+# the same results.
+test-greenlets: build
+	HF_DATASETS_OFFLINE=1 INTERLACE_REQUIRE_EXTENSIONS=1 INTERLACE_GENERATORS=0 $(PY) -m pytest -q tests/intervention tests/models tests/sweeps $(PYTEST_ARGS)
 
 # The torch-free tracer core on every other supported interpreter, both paths.
 test-core-versions:

@@ -21,7 +21,7 @@ from interlace.intervention import routes
 from interlace.intervention.mediator import AuditMediator, GeneratorMediator, Mediator
 from interlace.tracing.blocks import BLOCKS
 
-pytestmark = pytest.mark.skipif(not routes.ENABLED, reason="generator bodies are off (INTERLACE_GENERATORS=1 turns them on: make test-generators)")
+pytestmark = pytest.mark.skipif(not routes.ENABLED, reason="generator bodies are forced off (INTERLACE_GENERATORS=0: make test-greenlets)")
 
 
 def _reference(gpt2, ids, zero_mlp1=False):
@@ -322,7 +322,7 @@ def test_a_tracer_that_builds_its_own_bodies_keeps_greenlets_unless_it_opts_in()
         assert routes.eligible(body) is expected
 
 
-def test_without_the_environment_switch_every_body_runs_on_greenlets():
+def test_with_the_environment_switch_off_every_body_runs_on_greenlets():
     script = (
         "import torch, interlace\n"
         "model = interlace.Model(torch.nn.Sequential(torch.nn.Linear(2, 2)))\n"
@@ -333,10 +333,14 @@ def test_without_the_environment_switch_every_body_runs_on_greenlets():
         "    print(kind)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("INTERLACE_GENERATORS", None)
+    env["INTERLACE_GENERATORS"] = "0"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["Mediator"] * 3
+    env.pop("INTERLACE_GENERATORS")  # by default: audited, then a generator
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
 
 
 def test_mediator_classes_are_the_engines_own():
@@ -387,7 +391,7 @@ def test_module_level_and_class_body_sites_run_as_generators_too():
         "print(' '.join(kinds))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env["INTERLACE_GENERATORS"] = "1"
+    env.pop("INTERLACE_GENERATORS", None)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"] * 2

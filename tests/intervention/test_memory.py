@@ -18,11 +18,28 @@ from .memcheck import assert_freed, collector_off, watch
 
 
 def _rss_mib():
+    """Resident MiB of live memory: with glibc, the free memory its allocator keeps is given
+    back first (`malloc_trim`), so that what is measured is what is held, not where the heap
+    happens to have grown (in steps of a few MiB, with the order of earlier tests)."""
+    if _TRIM is not None:
+        _TRIM(0)
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
     except OSError:  # not Linux: the object count still tells
         return 0.0
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: RSS as it is
+        return None
+
+
+_TRIM = _malloc_trim()
 
 
 def test_ten_thousand_traces_do_not_grow(mlp):
@@ -41,7 +58,9 @@ def test_ten_thousand_traces_do_not_grow(mlp):
     for _ in range(10_000):
         one()
     gc.collect()
-    assert len(gc.get_objects()) <= objects
+    # A leak of one object per trace would leave 10,000; a few made once meanwhile (a cache
+    # filled lazily, another test's thread finishing) are not growth.
+    assert len(gc.get_objects()) < objects + 100
     assert _rss_mib() - rss < 5.0
 
 

@@ -16,9 +16,9 @@ route is chosen per call site, never by the user:
    on this run) raises an `InterlaceError` naming the line before the read has any effect,
    and the site is pinned to greenlets: that is the one observable difference.
 
-The route is off unless `INTERLACE_GENERATORS=1` (read at import): measured, it saves
-nothing yet, and over many traces in a long process it can leave the heap a few MiB larger
-than the greenlet route does (docs/architecture.md, "Generator bodies"). Only jobs that
+`INTERLACE_GENERATORS=0` (read at import) forces every body onto greenlets: CI runs the
+engine's suites that way too, so that both routes stay tested (measured, the route is within
+a few µs of the greenlet route either way: docs/architecture.md, "Generator bodies"). Only jobs that
 run a deferred body as it was bound (a trace's body, a sweep item's) can take the route; a
 `Tracer` subclass whose `build` or `compile` step differs takes it only if it sets
 `generator_bodies = True`. The verdict lives on the site's Block, in this process.
@@ -35,8 +35,8 @@ from .mediator import AuditMediator, GeneratorMediator, Mediator
 AUDIT = "audit"
 GENERATOR = "generator"
 
-ENABLED = os.environ.get("INTERLACE_GENERATORS", "") == "1"
-"""True when INTERLACE_GENERATORS=1; otherwise every body runs on a greenlet."""
+ENABLED = os.environ.get("INTERLACE_GENERATORS", "") != "0"
+"""False when INTERLACE_GENERATORS=0: every body then runs on a greenlet."""
 
 
 def mediator_class(fn):
@@ -102,5 +102,5 @@ def stray(block, where):
         f"body's own lines. Its earlier runs read only in its own lines, so it runs as a "
         f"generator (each read a `yield`), which cannot wait inside a function it calls. "
         f"Nothing was read here. The block runs on greenlets from now on (which serve such "
-        f"reads): run it again. Without INTERLACE_GENERATORS=1 every body runs on greenlets."
+        f"reads): run it again. With INTERLACE_GENERATORS=0 every body runs on greenlets."
     )
