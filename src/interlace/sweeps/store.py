@@ -598,7 +598,9 @@ class Sink:
         fd = os.open(os.path.join(self.path, f"{MANIFEST}{self.name}.jsonl"),
                      os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            os.write(fd, line.encode())
+            data = memoryview(line.encode())
+            while data:  # (a regular file takes it at once, but write may take part of it)
+                data = data[os.write(fd, data):]
         finally:
             os.close(fd)
         return nbytes
