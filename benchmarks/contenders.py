@@ -10,6 +10,9 @@ compared across contenders before anything is timed (`measure.agree`).
 * hooks        plain `register_forward_hook` doing the same reads and edits: the floor
 * prototype    issue 20's mechanism by hand, no interlace: instance `forward`s tapped by
                closures that switch to one pooled greenlet running the body (prototype.py)
+* genproto     issue 21's mechanism by hand, no interlace: the body a Python generator that
+               yields the module it waits for, each tapped forward `send`s it the output
+               (prototype.py; save one, zero MLPs, fixed)
 * interlace    `interlace.Model` / `interlace.LanguageModel`, on whichever path this process
                loaded (the harness runs the pure-Python twin in a second process)
 * nnsight      nnsight 0.8.1, on its own deep copy of the module (it replaces every module's

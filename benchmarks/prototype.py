@@ -134,3 +134,81 @@ class Prototype(Contender):
                 out.append(tap.run(tapped + [head], body, lambda: module(corrupt.expand(len(chunk), -1))))
             return torch.cat(out)
         return run
+
+
+class GenTap:
+    """Issue 21's mechanism by hand: the body is a Python generator that yields the module it
+    waits for and receives its output; each tapped forward `send`s the output in. No greenlet,
+    no engine: what the generator route's reads cost at their floor."""
+
+    def __init__(self):
+        self.gen = self.waiting = self.new = self.result = None
+        self.closures = {}
+
+    def closure(self, module):
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.waiting is module:
+                try:
+                    self.waiting = self.gen.send(out)
+                except StopIteration as end:
+                    self.waiting, self.result = None, end.value
+                new, self.new = self.new, None
+                if new is not None:
+                    out = new
+            return out
+        return forward
+
+    def run(self, modules, body, call):
+        """`call()` with `modules` tapped and generator function `body` run beside it."""
+        for m in modules:
+            if m not in self.closures:
+                self.closures[m] = self.closure(m)
+            m.__dict__["forward"] = self.closures[m]
+        gen = self.gen = body()
+        try:
+            self.waiting = next(gen)  # the body runs up to its first wait
+            call()
+        finally:
+            for m in modules:
+                del m.__dict__["forward"]
+            self.gen = None
+            if self.waiting is not None:
+                self.waiting = None
+                gen.close()
+                raise RuntimeError("the body waited for a module the forward did not call")
+        result, self.result = self.result, None
+        return result
+
+
+class GeneratorPrototype(Contender):
+    name, label = "genproto", "generator body (prototype)"
+
+    def __init__(self):
+        self.tap = GenTap()
+
+    def save_one(self, s):
+        module, ids, layer, tap = s.module, s.ids, s.layers()[0], self.tap
+
+        def body():
+            return _first((yield layer))
+        return lambda: tap.run([layer], body, lambda: module(ids))
+
+    def zero_mlps(self, s, k=None):
+        module, ids, head, tap = s.module, s.ids, s.lm_head(), self.tap
+        mlps = [layer.mlp for layer in s.layers()][:k]
+
+        def body():
+            for mlp in mlps:
+                tap.new = torch.zeros_like((yield mlp))
+            return (yield head)
+        return lambda: tap.run(mlps + [head], body, lambda: module(ids))
+
+    def fixed(self, s):
+        module, x, tap = s.module, s.ids, self.tap
+
+        def body():
+            return (yield module)
+        return lambda: tap.run([module], body, lambda: module(x))
