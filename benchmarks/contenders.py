@@ -13,6 +13,9 @@ compared across contenders before anything is timed (`measure.agree`).
 * genproto     issue 21's mechanism by hand, no interlace: the body a Python generator that
                yields the module it waits for, each tapped forward `send`s it the output
                (prototype.py; save one, zero MLPs, fixed)
+* gencore      genproto run by interlace's tracer core: the `with` block captured, skipped,
+               deferred, compiled as a generator, its saves written back (prototype.py):
+               the capture-and-skip design's floor, with no engine
 * interlace    `interlace.Model` / `interlace.LanguageModel`, on whichever path this process
                loaded (the harness runs the pure-Python twin in a second process)
 * nnsight      nnsight 0.8.1, on its own deep copy of the module (it replaces every module's

@@ -212,3 +212,94 @@ class GeneratorPrototype(Contender):
         def body():
             return (yield module)
         return lambda: tap.run([module], body, lambda: module(x))
+
+
+class _Read:
+    """`.output` of one module for a generator body compiled by interlace's tracer core
+    (tracing/generators.py): a read is one `yield` of the module, answered by the GenTap's
+    `send`; a write hands the GenTap the replacement."""
+
+    def __init__(self, tap, module):
+        self.tap = tap
+        self.module = module
+
+    def __interlace_read__(self, name):
+        return (yield self.module)
+
+    def __interlace_write__(self, name, value):
+        self.tap.new = value
+        return
+        yield  # (a generator that returns at once: `yield from` it is the write)
+
+
+class GeneratorCore(Contender):
+    """Interlace's tracer core around the generator prototype: the `with` block captured and
+    skipped, its body deferred with the caller's names bound and compiled as a generator (its
+    reads `yield`s), run by the GenTap, its saved names written back into the caller. No
+    engine (envoys, occurrences, batching, checks): what the capture-and-skip design costs
+    with the generator mechanism, the floor interlace's engine is measured against."""
+
+    name, label = "gencore", "tracer core + generator body (prototype)"
+
+    def __init__(self):
+        from interlace.tracing import Tracer
+        from interlace.tracing.save import enter_body, exit_body
+
+        tap = self.tap = GenTap()
+
+        class Backend:
+            def __call__(self, tracer):
+                body = tracer.defer()
+                token = enter_body(body.state)  # `.save()` saves into this trace
+                try:
+                    values = tap.run(tracer.modules, body.generator, tracer.call)
+                finally:
+                    exit_body(token)
+                tracer.push_result(body.generator_locals(values))
+
+        class CoreTracer(Tracer):
+            def __init__(self, modules, call):
+                super().__init__(backend=Backend())
+                self.modules = modules
+                self.call = call
+
+        self.Tracer = CoreTracer
+
+    def save_one(self, s):
+        from interlace import save
+
+        module, ids, layer, Tracer = s.module, s.ids, s.layers()[0], self.Tracer
+        read = _Read(self.tap, layer)
+
+        def run():
+            with Tracer([layer], lambda: module(ids)):
+                h = save(read.output)
+            return _first(h)
+        return run
+
+    def zero_mlps(self, s, k=None):
+        from interlace import save
+
+        module, ids, head, Tracer = s.module, s.ids, s.lm_head(), self.Tracer
+        mlps = [layer.mlp for layer in s.layers()][:k]
+        reads, logits = [_Read(self.tap, mlp) for mlp in mlps], _Read(self.tap, head)
+
+        def run():
+            with Tracer(mlps + [head], lambda: module(ids)):
+                for mlp in reads:
+                    mlp.output = torch.zeros_like(mlp.output)
+                out = save(logits.output)
+            return out
+        return run
+
+    def fixed(self, s):
+        from interlace import save
+
+        module, x, Tracer = s.module, s.ids, self.Tracer
+        read = _Read(self.tap, module)
+
+        def run():
+            with Tracer([module], lambda: module(x)):
+                h = save(read.output)
+            return h
+        return run

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -135,7 +136,8 @@ def setup():
     sys.path.insert(0, os.path.join(ROOT, "src"))
     sys.path.insert(0, ROOT)
     import interlace
-    from benchmarks.prototype import Tap
+    from benchmarks.prototype import GenTap, Tap
+    from interlace.tracing.save import enter_body, exit_body
     from interlace.tracing import Tracer
 
     torch.manual_seed(0)
@@ -175,8 +177,61 @@ def setup():
     def prototype():
         return tap.run([block], lambda: tap.wait(block), lambda: module(ids))
 
-    return {"hooks": hooks, "prototype": prototype, "minimal": minimal_trace,
-            "interlace": interlace_trace}
+    # The tracer core alone on each prototype: the `with` captured and skipped, the body
+    # deferred, run, its saved names written back; its one read is the prototype's own.
+    class _CoreBackend:
+        def __call__(self, tracer):
+            tracer.push_result(tap.run([block], tracer.defer().run, lambda: module(*tracer.args)))
+
+    class CoreTracer(Tracer):
+        def __init__(self, *args):
+            super().__init__(*args, backend=_CoreBackend())
+
+    def core_trace():
+        with CoreTracer(ids):
+            out = interlace.save(tap.wait(block))
+        return out
+
+    gentap = GenTap()
+
+    class _Read:
+        """`.output` read by a generator body (tracing/generators.py): one `yield` of the
+        module, answered by the GenTap's `send`."""
+
+        def __init__(self, module):
+            self.module = module
+
+        def __interlace_read__(self, name):
+            return (yield self.module)
+
+    read = _Read(block)
+
+    class _GenBackend:
+        def __call__(self, tracer):
+            body = tracer.defer()
+            token = enter_body(body.state)
+            try:
+                values = gentap.run([block], body.generator, lambda: module(*tracer.args))
+            finally:
+                exit_body(token)
+            tracer.push_result(body.generator_locals(values))
+
+    class GenCoreTracer(Tracer):
+        def __init__(self, *args):
+            super().__init__(*args, backend=_GenBackend())
+
+    def gencore_trace():
+        with GenCoreTracer(ids):
+            out = interlace.save(read.output)
+        return out
+
+    def genproto():
+        def body():
+            return (yield block)
+        return gentap.run([block], body, lambda: module(ids))
+
+    return {"hooks": hooks, "prototype": prototype, "genproto": genproto, "core": core_trace,
+            "gencore": gencore_trace, "minimal": minimal_trace, "interlace": interlace_trace}
 
 
 def main():
@@ -189,7 +244,7 @@ def main():
     ways = setup()
     with torch.no_grad():
         expected = ways["hooks"]()
-        for name in ("minimal", "interlace"):
+        for name in ("core", "gencore", "minimal", "interlace"):
             got = ways[name]()
             if not torch.equal(got[0] if isinstance(got, tuple) else got, expected[0]
                                if isinstance(expected, tuple) else expected):
@@ -198,8 +253,10 @@ def main():
             for _ in range(50):
                 fn()
         times = {name: [] for name in ways}
+        order = list(ways.items())
         for _ in range(args.rounds):
-            for name, fn in ways.items():
+            random.shuffle(order)  # (no way always runs after the same other)
+            for name, fn in order:
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)

@@ -82,6 +82,15 @@ STEPS = [
     ("interlace.tracing.deferred", "DeferredBody.run"),
     ("interlace.tracing.tracer", "Tracer.push_result"),
     ("interlace.intervention.tracer", "InterleavingTracer.release"),
+    # the generator route's (routes.py): the body started, each read's send, its end
+    ("interlace.intervention.mediator", "GeneratorMediator.start"),
+    ("interlace.intervention.mediator", "GenWorker.__init__"),
+    ("interlace.intervention.mediator", "GenWorker.switch"),
+    ("interlace.intervention.mediator", "GenWorker._ended"),
+    ("interlace.intervention.body", "BodyJob.generator"),
+    ("interlace.intervention.body", "BodyJob.finish"),
+    ("interlace.intervention.interleaver", "Interleaver.generator_read"),
+    ("interlace.intervention.envoy", "Envoy.__interlace_read__"),
 ]
 
 HELPER = r"""
@@ -418,12 +427,16 @@ def main():
     parser.add_argument("--footprint", action="store_true",
                         help="with --cache's simulation, flush the caches before each call: its "
                              "L2 misses are then the distinct lines it touches (whole calls only)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep callgrind's dumps in DIR (for callgrind_annotate: with "
+                             "--footprint, cg.out.4 is the trace's; which lines are whose)")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
         inside(args.inside, args.traces, args.forward, args.footprint)
         return
-    folder = tempfile.mkdtemp(prefix="interlace-steps-")
+    folder = args.keep or tempfile.mkdtemp(prefix="interlace-steps-")
+    os.makedirs(folder, exist_ok=True)
     try:
         library, why = build_helper(folder)
         if library is None:
@@ -441,7 +454,8 @@ def main():
             sys.exit(done.returncode)
         table(folder, args.forward, cache)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
