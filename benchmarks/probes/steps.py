@@ -233,14 +233,46 @@ def inside(folder, traces, forward="gpt2", footprint=False):
     def prototype():
         return tap.run([block], lambda: tap.wait(block), lambda: module(ids))
 
+    # --footprint's layers: the generator prototype, then interlace's tracer core around it
+    # (the harness's gencore), then interlace with an empty body, reading the root's output
+    # (no tap), and the whole trace (block 0 tapped, and its container)
+    from benchmarks.prototype import GeneratorCore
+
+    class _Subject:
+        shape = None
+
+        def layers(self, net=None):
+            return (net or module).transformer.h if forward == "gpt2" else (net or module).h
+
+    subject = _Subject()
+    subject.module, subject.ids = module, ids
+    gencore = GeneratorCore().save_one(subject)
+    gentap = GeneratorCore().tap
+
+    def genproto():
+        def body():
+            return (yield block)
+        return gentap.run([block], body, lambda: module(ids))
+
+    def empty():
+        with model.trace(ids):
+            pass
+
+    def root_output():
+        with model.trace(ids):
+            out = model.output.save()
+        return out
+
     totals = {}
     with torch.no_grad():
-        for fn in (raw, hooks, prototype, whole, calibrate):
+        for fn in (raw, hooks, prototype, whole, calibrate, genproto, gencore, empty, root_output):
             for _ in range(30):
                 fn()
         if footprint:  # every call starts with cold caches: its L2 misses are its distinct lines
             flush = torch.ones(8 * 1024 * 1024 // 4)  # 8 MB, read outside the count
             for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype),
+                             ("generator prototype", genproto), ("tracer core + it (gencore)", gencore),
+                             ("interlace, empty body", empty), ("interlace, the root's output", root_output),
                              ("trace, whole", trace)):
                 marks.il_start()
                 marks.il_toggle()
