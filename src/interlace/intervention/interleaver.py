@@ -29,7 +29,6 @@ from torch import Tensor
 
 from .._native import hotpath
 from ..errors import InterlaceError, IterationCutShortWarning, OutOfOrderError
-from ..tracing.block import Block
 from ..tracing.tracer import user_frame
 from . import attach, compiled, grads, hooks, routes
 from .batching import RunAlone, expand, leaf, map_leaves, narrow, put, swap
@@ -39,6 +38,7 @@ from .mediator import (
     PARKED,
     STOPPED,
     GeneratorMediator,
+    GenWorker,
     IterationCutShort,
     Mediator,
     StopSignal,
@@ -142,8 +142,6 @@ class Interleaver(hotpath.Exchange):
         block = getattr(fn, "route_block", None)
         if block is None:
             cls = Mediator
-        elif type(block) is not Block:  # a job that finds its Block when asked (a sweep item)
-            cls = routes.mediator_class(fn)
         elif block.route is routes.GENERATOR:
             cls = GeneratorMediator
         else:
@@ -642,8 +640,11 @@ class Interleaver(hotpath.Exchange):
         yields PARKED while the value is not there yet, and returns it; with `value`,
         `write(key, value)` the same way (see `generator_write`)."""
         mediator = self.current
-        if mediator is None or not runs_here(mediator):
-            mediator = self.mediator(key)  # raises: not the running body
+        worker = None if mediator is None else mediator.worker
+        # (`runs_here(mediator)`, inline for a generator body: a read's most common check)
+        if type(worker) is not GenWorker or not worker.gen.gi_running or worker.home is not getcurrent():
+            if mediator is None or not runs_here(mediator):
+                mediator = self.mediator(key)  # raises: not the running body
         event = self.prepare(mediator, key)
         if event is None:
             payload = yield PARKED

@@ -41,14 +41,10 @@ ENABLED = os.environ.get("INTERLACE_GENERATORS", "") != "0"
 
 def mediator_class(fn):
     """The Mediator class that runs job `fn` (see the module docstring). Its `route_block`:
-    None (greenlets), the Block of its body, or a method that returns either."""
+    None (greenlets) or the Block of its body."""
     block = getattr(fn, "route_block", None)
     if block is None or not ENABLED:
         return Mediator
-    if callable(block):
-        block = block()
-        if block is None:
-            return Mediator
     route = block.route
     if route is GENERATOR:
         return GeneratorMediator

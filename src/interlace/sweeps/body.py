@@ -39,7 +39,7 @@ class ItemBody:
     """
 
     __slots__ = ("index", "item", "args", "kwargs", "key", "job", "saved", "iter_rows",
-                 "observers", "state")
+                 "observers", "state", "route_block")
 
     def __init__(self, index, item, args, kwargs, key):
         self.index = index
@@ -52,6 +52,9 @@ class ItemBody:
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
         self.observers = None  # [(key, fn)] its `sweep.cache()` recorders, once it made one
         self.state = None  # its save state while it runs as a generator (`generator`)
+        # the sweep body's Block when items may run as generators, None on greenlets: the
+        # interleaver reads it to choose the item's route (`run_batch` sets it per batch)
+        self.route_block = None
 
     def __reduce__(self):  # what travels to a Ray worker: the entry, not its run
         return (ItemBody, (self.index, self.item, self.args, self.kwargs, self.key))
@@ -111,9 +114,9 @@ class ItemBody:
 
     # -- the generator route (intervention/routes.py) ----------------------------------------
 
-    def route_block(self):
+    def decide_route(self):
         """The sweep body's Block when items may run as generators; None: on greenlets
-        (decided once per sweep)."""
+        (decided once per sweep, by its first item: the job must be set)."""
         job = self.job
         block = job.route_block
         if block is UNDECIDED:
@@ -125,7 +128,7 @@ class ItemBody:
         `ended_early` or `failed` follows."""
         self.saved = self.iter_rows = self.observers = None
         job = self.job
-        body = job.body  # (made by `route_block`)
+        body = job.body  # (made by `decide_route`)
         states = job.states
         state = self.state = body.state = states.pop() if states else TraceState(None)
         return body.generator(), state

@@ -184,8 +184,12 @@ def run_batch(model, job, entries):
     `body.item_of`).
     """
     runs = []
+    block = UNDECIDED
     for entry in entries:  # each entry is its item's body (an ItemBody)
         entry.job = job
+        if block is UNDECIDED:
+            block = entry.decide_route()  # (the same for every item: one call per batch)
+        entry.route_block = block
         runs.append((entry, entry.args, entry.kwargs))
     out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
                                       edits=replays(model))
