@@ -247,7 +247,7 @@ class GeneratorCore(Contender):
 
         tap = self.tap = GenTap()
 
-        class Backend:
+        class _Backend:
             def __call__(self, tracer):
                 body = tracer.defer()
                 token = enter_body(body.state)  # `.save()` saves into this trace
@@ -257,9 +257,11 @@ class GeneratorCore(Contender):
                     exit_body(token)
                 tracer.push_result(body.generator_locals(values))
 
+        backend = _Backend()
+
         class CoreTracer(Tracer):
             def __init__(self, modules, call):
-                super().__init__(backend=Backend())
+                super().__init__(backend=backend)
                 self.modules = modules
                 self.call = call
 
@@ -303,3 +305,15 @@ class GeneratorCore(Contender):
                 h = save(read.output)
             return h
         return run
+
+
+class Bare:
+    """A subject for the probes (`probes/steps.py`, `probes/engine_floor.py`): `module`, its
+    input `ids` and the one `block` whose output a save-one body reads (`layers()[0]`), so that
+    they time the contenders' own `save_one` rather than copies of it."""
+
+    def __init__(self, module, ids, block):
+        self.module, self.ids, self.block = module, ids, block
+
+    def layers(self):
+        return [self.block]

@@ -5,10 +5,13 @@
 
 Issue 20 asks for a save-one trace within +20 us of the prototype contender (a tapped, pooled
 greenlet written by hand, `benchmarks/prototype.py`). Before concluding which part of
-interlace stands in the way, this isolates it: the same `with` block run four ways,
-interleaved round by round in one process (medians):
+interlace stands in the way, this isolates it: the same `with` block run seven ways, in
+shuffled order round by round in one process (medians):
 
   prototype  the tapped pooled greenlet, no tracer (as in the harness)
+  genproto   the generator-body prototype, no tracer (the harness's)
+  core       interlace's real tracer core around the greenlet prototype's read
+  gencore    the same around the generator prototype's read (the harness's `gencore`)
   minimal    interlace's real tracer core (the `with` captured, skipped, the body deferred
              with its names bound, run with `.save()`, the saved names written back into the
              caller) driving a minimal engine written here in plain Python: one pooled
@@ -21,7 +24,8 @@ interleaved round by round in one process (medians):
 and prints each one's us over plain hooks and over the prototype. The difference between
 `interlace` and `minimal` is what interlace's engine (intervention/) spends beyond a
 bare mechanism; `minimal` over `prototype` is the tracer core's share plus the minimal
-engine's few Python steps. The two traces' saved tensors are checked equal first.
+engine's few Python steps; `core` and `gencore` over their prototypes are the tracer core's
+alone. The traces' saved tensors are checked equal to plain hooks' first.
 """
 
 from __future__ import annotations
@@ -136,8 +140,7 @@ def setup():
     sys.path.insert(0, os.path.join(ROOT, "src"))
     sys.path.insert(0, ROOT)
     import interlace
-    from benchmarks.prototype import GenTap, Tap
-    from interlace.tracing.save import enter_body, exit_body
+    from benchmarks.prototype import Bare, GeneratorCore, GeneratorPrototype, Tap
     from interlace.tracing import Tracer
 
     torch.manual_seed(0)
@@ -192,43 +195,9 @@ def setup():
             out = interlace.save(tap.wait(block))
         return out
 
-    gentap = GenTap()
-
-    class _Read:
-        """`.output` read by a generator body (tracing/generators.py): one `yield` of the
-        module, answered by the GenTap's `send`."""
-
-        def __init__(self, module):
-            self.module = module
-
-        def __interlace_read__(self, name):
-            return (yield self.module)
-
-    read = _Read(block)
-
-    class _GenBackend:
-        def __call__(self, tracer):
-            body = tracer.defer()
-            token = enter_body(body.state)
-            try:
-                values = gentap.run([block], body.generator, lambda: module(*tracer.args))
-            finally:
-                exit_body(token)
-            tracer.push_result(body.generator_locals(values))
-
-    class GenCoreTracer(Tracer):
-        def __init__(self, *args):
-            super().__init__(*args, backend=_GenBackend())
-
-    def gencore_trace():
-        with GenCoreTracer(ids):
-            out = interlace.save(read.output)
-        return out
-
-    def genproto():
-        def body():
-            return (yield block)
-        return gentap.run([block], body, lambda: module(ids))
+    bare = Bare(module, ids, block)
+    genproto = GeneratorPrototype().save_one(bare)
+    gencore_trace = GeneratorCore().save_one(bare)  # (the harness's gencore)
 
     return {"hooks": hooks, "prototype": prototype, "genproto": genproto, "core": core_trace,
             "gencore": gencore_trace, "minimal": minimal_trace, "interlace": interlace_trace}

@@ -236,23 +236,11 @@ def inside(folder, traces, forward="gpt2", footprint=False):
     # --footprint's layers: the generator prototype, then interlace's tracer core around it
     # (the harness's gencore), then interlace with an empty body, reading the root's output
     # (no tap), and the whole trace (block 0 tapped, and its container)
-    from benchmarks.prototype import GeneratorCore
+    from benchmarks.prototype import Bare, GeneratorCore, GeneratorPrototype
 
-    class _Subject:
-        shape = None
-
-        def layers(self, net=None):
-            return (net or module).transformer.h if forward == "gpt2" else (net or module).h
-
-    subject = _Subject()
-    subject.module, subject.ids = module, ids
-    gencore = GeneratorCore().save_one(subject)
-    gentap = GeneratorCore().tap
-
-    def genproto():
-        def body():
-            return (yield block)
-        return gentap.run([block], body, lambda: module(ids))
+    bare = Bare(module, ids, block)
+    genproto = GeneratorPrototype().save_one(bare)
+    gencore = GeneratorCore().save_one(bare)
 
     def empty():
         with model.trace(ids):
@@ -461,7 +449,7 @@ def main():
                              "L2 misses are then the distinct lines it touches (whole calls only)")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep callgrind's dumps in DIR (for callgrind_annotate: with "
-                             "--footprint, cg.out.4 is the trace's; which lines are whose)")
+                             "--footprint, cg.out.N is the Nth row's calls, in the table's order)")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
