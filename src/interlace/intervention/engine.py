@@ -30,7 +30,10 @@ import weakref
 from ..errors import BatchingWarning, InterlaceError
 from .axes import Learner
 from .batching import Batcher, BatchingError, RunAlone
+from .express import ENABLED as _EXPRESS
+from .express import Express
 from .interleaver import Interleaver
+from .routes import GENERATOR
 from .state import ModelState
 
 _PLAIN = Batcher()
@@ -50,7 +53,10 @@ class Engine:
         self.ran_alone = 0  # batched runs whose items ran alone instead
         self.lock = threading.Lock()
         self.owner = None  # thread ident of the running trace
-        self.running = None  # the running Interleaver (whatever thread runs it)
+        self._running = None  # the running Interleaver (whatever thread runs it): `running`
+        self.express = None  # the express run in progress, until it hands over (express.py)
+        self._express = None  # this engine's Express (made at its first express run)
+        self._bystander = None  # `running` for other threads during an express run
         self.collecting = False  # a trace without inputs is running its body to find invokes
         # The Envoy of each module index, weakly (the root's tree owns them): one Envoy per
         # module even when two paths reach it. Aliases (rename=): {envoy path: {alias: path}}.
@@ -65,6 +71,25 @@ class Engine:
     def module(self):
         """The wrapped torch module (the root of the tree)."""
         return self.state.root
+
+    @property
+    def running(self):
+        """The running Interleaver (whatever thread runs it), or None. During an express run
+        (express.py) asking for it from the tracing thread hands the run over to the general
+        one, which is then returned; other threads get an interleaver that runs nothing, whose
+        checks tell them why nothing can be read there."""
+        express = self.express
+        if express is None:
+            return self._running
+        if self.owner == threading.get_ident():
+            return express.hand_over()
+        if self._bystander is None:
+            self._bystander = Interleaver(self.state)
+        return self._bystander
+
+    @running.setter
+    def running(self, interleaver):
+        self._running = interleaver
 
     def active(self):
         """The interleaver running a trace of this model in *this* thread, if any."""
@@ -83,13 +108,24 @@ class Engine:
         factories of bodies replayed before each invoke's own body, on its rows
         (`model.edit()`). Returns the model's return value.
         """
+        common = (len(invokes) == 1 and not edits and run is None and batcher is None
+                  and type(self.batcher) is Batcher)
+        if common and not backward and self.state.order is not None and _EXPRESS:
+            # the common trace of a generator body: an express run, while it can be one
+            fn, args, kwargs = invokes[0]
+            block = getattr(fn, "route_block", None)
+            if block is not None and block.route is GENERATOR and self.lock.acquire(blocking=False):
+                self.owner = threading.get_ident()
+                express = self._express
+                if express is None:
+                    express = self._express = Express(self.state)
+                return express.run(self, fn, args, kwargs)  # (it releases the lock)
         try:
             interleaver = self.idle.pop()  # atomic: two threads never get the same one
         except IndexError:
             interleaver = Interleaver(self.state)
         interleaver.reset(backward)
-        if (len(invokes) == 1 and not edits and run is None and batcher is None
-                and type(self.batcher) is Batcher):
+        if common:
             # the common trace: one input as given, nothing to batch or replay
             fn, args, kwargs = invokes[0]
             interleaver.add(fn)

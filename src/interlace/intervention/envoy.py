@@ -329,7 +329,9 @@ class Envoy:
         produced the value yet, and returns it (tracing/generators.py). A subclass's own
         `output`/`input`/`inputs` is read as it is."""
         fields = self.__dict__
-        interleaver = fields["_engine"].running
+        engine = fields["_engine"]
+        # an express run serves the read itself (express.py), else the running trace
+        interleaver = engine.express or engine.running
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             return Ready(getattr(self, name))
         if name == "output":
@@ -345,7 +347,8 @@ class Envoy:
 
     def __interlace_write__(self, name, value):
         """`self.<name> = value` in a generator body (see `__interlace_read__`)."""
-        interleaver = self._engine.running
+        engine = self._engine
+        interleaver = engine.express or engine.running
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             setattr(self, name, value)
             return Ready(None)

@@ -185,6 +185,18 @@ class Interleaver(hotpath.Exchange):
             self._teardown()
 
     def _run(self, call, args, kwargs, root_call):
+        self._setup(root_call)
+        self._start()
+        result = None
+        if not self.stopped and self.failure is None:
+            result = self._forward(call, args, kwargs, root_call)
+        return self._end(result)
+
+    # The run's phases, apart: an express run (express.py) that hands its body over to this
+    # run part-way enters at the phase it had reached.
+
+    def _setup(self, root_call):
+        """The run's hub and policy, and the hooks every run of this kind has."""
         state = self.state
         learning = state.order is None
         self.hub = hub = hotpath.Hub(state.nkeys, 0, state.visits, state.positions, learning)
@@ -207,52 +219,73 @@ class Interleaver(hotpath.Exchange):
         if len(mediators) > 1 and shares(mediators):
             self.shared = Sharing(mediators)
             self.join(self.shared)
-        self._start()
-        aborted = stopped = False
-        result = None
-        if not self.stopped and self.failure is None:
-            try:
-                if root_call:
-                    if self.learner is not None:
-                        self.learner.record(0, (args, kwargs))
-                    replaced = self.hook_event(0, True, args, kwargs)
-                    if replaced is not None:
-                        args, kwargs = replaced
-                    result = call(*args, **kwargs)
-                    replaced = self.hook_event(1, False, args, result)
-                    if replaced is not None:
-                        result = replaced
-                else:
-                    result = call(*args, **kwargs)
-            except _Abort:
-                aborted = True
-            except _Stop:
-                stopped = True
-            except Exception as error:
-                self.model_failed = True
-                if self.last_write is not None and hasattr(error, "add_note"):
-                    key, filename, lineno = self.last_write
-                    error.add_note(
-                        f"interlace: the trace body set {state.key_name(key)} at "
-                        f"{filename}:{lineno} before "
-                        f"the model raised this; check the value assigned there"
-                    )
-                raise
-            if not aborted and not stopped:
-                if learning and not self.skipped:
-                    state.learn(hub.record)
-                if state.order is not None:
-                    hub.position = len(state.order)  # the call is over: all of it has passed
+
+    def _forward(self, call, args, kwargs, root_call):
+        """The model call and its result handed over (`tracer.result`): the model's return
+        value as the bodies left it; None when a body failed or stopped the run."""
+        try:
+            if root_call:
                 if self.learner is not None:
-                    self.learner.record(state.result_key, result)
-                try:
-                    event = self.deliver(state.result_key, hub.fire(state.result_key), result)
-                except (_Abort, _Stop):
-                    event = self.serving  # a body failed or stopped there: keep its edits
-                if event is not None and event.replaced:
-                    result = event.value
+                    self.learner.record(0, (args, kwargs))
+                replaced = self.hook_event(0, True, args, kwargs)
+                if replaced is not None:
+                    args, kwargs = replaced
+                result = call(*args, **kwargs)
+                replaced = self.hook_event(1, False, args, result)
+                if replaced is not None:
+                    result = replaced
+            else:
+                result = call(*args, **kwargs)
+        except (_Abort, _Stop):
+            return None
+        except Exception as error:
+            self._model_raised(error)
+            raise
+        return self._hand_result(result)
+
+    def _root_returned(self, args, result):
+        """`_forward` after the root's call returned `result` (an express run's call)."""
+        try:
+            replaced = self.hook_event(1, False, args, result)
+        except (_Abort, _Stop):
+            return None
+        except Exception as error:
+            self._model_raised(error)
+            raise
+        return self._hand_result(result if replaced is None else replaced)
+
+    def _model_raised(self, error):
+        self.model_failed = True
+        if self.last_write is not None and hasattr(error, "add_note"):
+            key, filename, lineno = self.last_write
+            error.add_note(
+                f"interlace: the trace body set {self.state.key_name(key)} at "
+                f"{filename}:{lineno} before "
+                f"the model raised this; check the value assigned there"
+            )
+
+    def _hand_result(self, result):
+        """The model call is over: learn its order (a first run), hand its result over."""
+        state = self.state
+        hub = self.hub
+        if hub.record is not None and not self.skipped:
+            state.learn(hub.record)
+        if state.order is not None:
+            hub.position = len(state.order)  # the call is over: all of it has passed
+        if self.learner is not None:
+            self.learner.record(state.result_key, result)
+        try:
+            event = self.deliver(state.result_key, hub.fire(state.result_key), result)
+        except (_Abort, _Stop):
+            event = self.serving  # a body failed or stopped there: keep its edits
+        if event is not None and event.replaced:
+            result = event.value
+        return result
+
+    def _end(self, result):
+        """The model call is over: end the bodies still waiting, raise a body's error."""
         self.done = True
-        if self.failure is None and (hub.nparked or self.stopper is not None or self.participants):
+        if self.failure is None and (self.hub.nparked or self.stopper is not None or self.participants):
             self._finish_parked()
         failure = self.failure
         if failure is None:
@@ -277,19 +310,23 @@ class Interleaver(hotpath.Exchange):
                 message = mediator.start(pool)
             finally:
                 self.current = None
-            if type(message) is attach.WatchedCall:
-                message = attach.serve(self, mediator, message, None)
-            if message == FAILED or message == STOPPED:
-                self._handle(mediator, message)
+            self._started(mediator, message)
             if self.stopped or self.failure is not None:
                 return
-            if self.participants:
-                try:
-                    self._wake(mediator, None)
-                except (_Abort, _Stop):
-                    pass  # a body it resumed failed or stopped: recorded by `_handle`
-                if self.stopped or self.failure is not None:
-                    return
+
+    def _started(self, mediator, message):
+        """`mediator`'s body came back from its start with `message`."""
+        if type(message) is attach.WatchedCall:
+            message = attach.serve(self, mediator, message, None)
+        if message == FAILED or message == STOPPED:
+            self._handle(mediator, message)
+        if self.stopped or self.failure is not None:
+            return
+        if self.participants:
+            try:
+                self._wake(mediator, None)
+            except (_Abort, _Stop):
+                pass  # a body it resumed failed or stopped: recorded by `_handle`
 
     def _end_with(self, mediator, signal):
         """Throw `signal` into a parked body; if it catches it and asks again, cancel it."""

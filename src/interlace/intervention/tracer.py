@@ -118,6 +118,8 @@ class InterleavingTracer(IterMixin, Tracer):
         """`tracer.result` in a body running as a generator: an iterator that yields until
         the run's end (tracing/generators.py)."""
         engine = self.engine
+        if name == "result" and engine is not None and engine.express is not None:
+            return engine.express.generator_read(engine.state.result_key)  # (express.py)
         interleaver = None if engine is None else engine.active()
         if name != "result" or interleaver is None or interleaver.current is None:
             return Ready(getattr(self, name))

@@ -1,0 +1,415 @@
+"""The express run: the common trace served with no hub, mediator or event until it needs one.
+
+Most traces are one input, one body that runs as a generator (routes.py), a model whose
+order of locations is learned, and reads of module outputs in the order the model makes
+them. For those, what the general run builds per trace (an interleaver's per-run state, a
+hub of counters, a mediator, an event per value, hooks through the event exchange) is most
+of a trace's own cost, and it is paid in cache lines the forward then fetches again
+(docs/architecture.md, "Where a trace's time goes"). An express run does only this:
+
+- it starts the body's generator (its own `contextvars` context and save state, as a
+  generator body always has);
+- a read of a module's output whose place in the learned order is still ahead sets a
+  plain forward wrapper on that module (and on the modules containing it, so that a
+  container's output asked for from inside it is served when its call returns) and yields;
+  the wrapper `send`s the output into the body, which goes on until its next read;
+- the root's output (`model.output`) and `tracer.result` are sent when the call returns;
+- a write (`x.output = value`) to the value being read replaces it, as in the general run.
+
+Anything else the body or the model does (an input, a read out of order, a module that has
+hooks of its own, `tracer.stop()`, `.cache()`, a module called inside the body, a read from
+a helper function, any use of the running trace other than these reads) *hands over*: the
+general run (an `Interleaver`) is built as it would stand had it run the trace from the
+start, and finishes it. The hand-over replays what happened (the root's call and each value
+read, counted in the hub in order), takes the body's generator as it is (its context, its
+pending read re-asked), and replaces the wrappers; everything the user sees is then the
+general run's. So the two routes differ in cost only: `INTERLACE_EXPRESS=0` (read at
+import) turns this off for comparison and bisecting.
+
+The hand-over is triggered by `Engine.running` (every use of the running trace but the
+reads above goes through it) and by this module's own checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+from .._native import hotpath
+from ..tracing.tracer import user_frame
+from . import compiled
+from .hooks import _tappable
+from .interleaver import Interleaver, _Abort, _Stop
+from .mediator import (
+    DONE,
+    ENDED_EARLY,
+    FAILED,
+    PARKED,
+    Cancelled,
+    GeneratorMediator,
+    GenWorker,
+    _is_grad_enabled,
+    _set_grad_enabled,
+)
+
+ENABLED = os.environ.get("INTERLACE_EXPRESS", "") != "0"
+"""False when INTERLACE_EXPRESS=0: every trace takes the general run."""
+
+_READ = object()  # `generator_read`'s "no value to write"
+_HANDOVER = object()  # sent into a body waiting in `generator_read`: ask the general run
+_NONE = -1  # no key
+
+# Where a run is (`stage`): what has happened, for the hand-over's replay and continuation.
+_BODY_START, _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = range(5)
+
+
+class Express:
+    """One model's express runs (one at a time: the engine's lock), and the hand-over.
+
+    While a run is on, it stands in for the body's mediator to its `GenWorker` (`fn`,
+    `raised`) until the hand-over gives the worker a real one.
+    """
+
+    __slots__ = (
+        "engine", "state", "positions", "result_key", "fn", "worker", "body_grad", "error",
+        "stage", "want", "serving", "value", "replaced", "position", "served", "wrapped",
+        "interleaver", "event", "last_write", "runs", "cut",
+    )
+
+    def __init__(self, state):
+        self.engine = None  # the engine, during a run (kept only then: no cycle through it)
+        self.state = state
+        self.fn = self.worker = self.error = self.value = self.interleaver = None
+        self.event = self.last_write = None
+        self.served = []  # module outputs served so far in this run, in order (the replay)
+        self.wrapped = {}  # module index -> (its instance dict, the wrapper this run set)
+        self.runs = 0
+        self.want = self.serving = _NONE
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def run(self, engine, fn, args, kwargs):
+        """Run the root on `args`/`kwargs` with job `fn` (a generator body's) beside it; the
+        caller took `engine`'s lock for this thread, which this releases."""
+        self.engine = engine
+        state = self.state
+        self.positions = state.positions
+        self.result_key = state.result_key
+        self.runs += 1
+        self.fn = fn
+        self.stage = _BODY_START
+        self.position = -1
+        self.replaced = self.cut = False
+        eager = compiled.force_eager()
+        try:
+            gen, save_state = fn.generator()
+            self.worker = GenWorker(self, gen, save_state)
+            self.body_grad = _is_grad_enabled()
+            engine.express = self
+            message = self._switch(None)  # the body, up to its first read
+            if self.interleaver is not None:
+                return self._general_from_start(message, args, kwargs)
+            if message == FAILED:
+                return self._raise()
+            if message < 0:
+                self.want = ~message
+            self.stage = _FORWARD
+            try:
+                result = state.root(*args, **kwargs)
+            except (_Abort, _Stop):  # a body failed in a wrapper (or stopped, handed over)
+                if self.interleaver is None:
+                    return self._raise()
+                return self.interleaver._end(None)
+            except Exception as error:
+                if self.interleaver is not None:
+                    self.interleaver._model_raised(error)
+                raise
+            self.stage = _RETURNED
+            self.position = sys.maxsize  # every module has run
+            interleaver = self.interleaver
+            if interleaver is None and self.want not in (_NONE, 1, self.result_key):
+                interleaver = self.hand_over()  # waits for what never came: it says so
+            if interleaver is not None:
+                return interleaver._end(interleaver._root_returned(args, result))
+            return self._returned(result)
+        finally:
+            self._close(eager)
+
+    def _returned(self, result):
+        """The root's call returned `result`: serve `model.output`, then `tracer.result`."""
+        self.stage = _ROOT_FIRED
+        if self.want == 1:
+            result = self.serve(1, result)
+            interleaver = self.interleaver
+            if interleaver is not None:
+                return interleaver._end(None if self.cut else interleaver._hand_result(result))
+        self.stage = _RESULT_FIRED
+        if self.want == self.result_key:
+            result = self.serve(self.result_key, result)
+            if self.interleaver is not None:
+                return self.interleaver._end(result)
+        return result
+
+    def _general_from_start(self, message, args, kwargs):
+        """The body asked for the general run while it started: go on as it would."""
+        interleaver = self.interleaver
+        mediator = interleaver.mediators[0]
+        interleaver.current = None
+        if message == DONE or message == FAILED:
+            mediator.release(interleaver.pool)
+        interleaver._started(mediator, message)
+        result = None
+        if not interleaver.stopped and interleaver.failure is None:
+            result = interleaver._forward(self.state.root, args, kwargs, True)
+        return interleaver._end(result)
+
+    def _raise(self):
+        error, self.error = self.error, None
+        try:
+            raise error
+        finally:
+            error = None  # (no cycle through this frame's local)
+
+    def _close(self, eager):
+        """Take off what the run set, end a body that would not end, let the model go."""
+        engine = self.engine
+        interleaver = self.interleaver
+        engine.express = None  # (a body's `finally` run below reads no express state)
+        try:
+            if interleaver is not None:
+                interleaver._teardown()
+            else:
+                self._unwrap()
+                worker = self.worker
+                if worker is not None and not worker.dead:
+                    worker.close()  # (the model raised while the body waited)
+        finally:
+            self.fn = self.worker = self.value = self.error = self.event = None
+            self.interleaver = self.last_write = self.engine = None
+            self.served.clear()
+            self.want = self.serving = _NONE
+            engine._running = None
+            engine.owner = None
+            engine.lock.release()
+            if eager is not None:
+                compiled.restore(eager)
+            if interleaver is not None and interleaver.reusable and len(engine.idle) < 2:
+                engine.idle.append(interleaver)
+
+    # -- the body's side -----------------------------------------------------------------------
+
+    def generator_read(self, key, value=_READ):
+        """`Interleaver.generator_read` while this run serves the body: yields `~key` to the
+        wrapper that will send the value; hands over whatever it does not serve."""
+        # (only the body's own frame reads here: not another thread, not another body)
+        if self.interleaver is None and sys._getframe(1) is self.worker.gen.gi_frame:
+            if key == self.serving:  # the value being read now (or a write to it)
+                if value is _READ:
+                    return self.value
+                return self._written(key, value)
+            if self._ahead(key):
+                got = yield ~key
+                if got is not _HANDOVER:
+                    if value is _READ:
+                        return got
+                    return self._written(key, value)
+        interleaver = self.interleaver or self.engine.running  # (hands over, or says why not)
+        if value is _READ:
+            return (yield from interleaver.generator_read(key))
+        return (yield from interleaver.generator_read(key, value))
+
+    def generator_write(self, key, value):
+        """`Interleaver.generator_write` while this run serves the body."""
+        return self.generator_read(key, value)
+
+    def _written(self, key, value):
+        frame = user_frame(sys._getframe(2))
+        if frame is not None:
+            self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
+        self.value = value
+        self.replaced = True
+        return None
+
+    def _ahead(self, key):
+        """Can this run serve `key` (and has it set the wrappers for it)?"""
+        if key == self.result_key:
+            return self.stage < _RESULT_FIRED
+        if key & 1 == 0 or key > self.result_key:
+            return False  # an input (the general run serves them), an added location
+        if key == 1:
+            return self.stage < _ROOT_FIRED
+        places = self.positions[key]
+        if not places or places[0] <= self.position:
+            return False  # it never runs, or its first occurrence has passed
+        return self._wrap(key >> 1)
+
+    def _wrap(self, index):
+        """Set this run's wrapper on module `index` and on the modules containing it (not the
+        root, whose call this run makes); False, having set none, when one may not have it."""
+        state = self.state
+        wrapped = self.wrapped
+        todo = []
+        for i in state.ancestors[index] + (index,):
+            if i == 0 or i in wrapped:
+                continue
+            module = state.modules[i]
+            instance = module.__dict__
+            if instance.get("forward") is not state.forwards[i] or not _tappable(instance, type(module)):
+                return False
+            todo.append((i, module, instance))
+        for i, module, instance in todo:
+            wrapper = self._wrapper(2 * i + 1, module.forward)
+            instance["forward"] = wrapper
+            wrapped[i] = (instance, wrapper)
+        return True
+
+    def _wrapper(self, key, original):
+        express = self
+        runs = self.runs
+
+        def forward(*args, **kwargs):
+            output = original(*args, **kwargs)
+            if express.runs != runs:
+                return output  # (kept by someone past its run)
+            if express.want == key:
+                return express.serve(key, output)
+            interleaver = express.interleaver
+            if interleaver is not None:  # handed over: this call's output is its event now
+                replaced = interleaver.hook_event(key, False, args, output)
+                if replaced is not None:
+                    return replaced
+            return output
+
+        return forward
+
+    def _unwrap(self):
+        for instance, wrapper in self.wrapped.values():
+            if instance.get("forward") is wrapper:
+                del instance["forward"]
+        self.wrapped.clear()
+
+    # -- the model's side ----------------------------------------------------------------------
+
+    def serve(self, key, value):
+        """Send `value` (occurrence 0 of `key`) into the waiting body; returns the value as
+        the body left it (a write replaces it). Raises `_Abort` to end the forward when the
+        body fails in it; after a hand-over inside, the general run's policy decides."""
+        self.want = _NONE
+        if key != 1 and key != self.result_key:
+            self.served.append(key)
+            self.position = self.positions[key][0]
+        self.serving = key
+        self.value = value
+        self.replaced = False
+        message = self._switch(value)
+        interleaver = self.interleaver
+        if interleaver is not None:  # handed over while it ran: its event carries the edits
+            event = self.event
+            mediator = interleaver.mediators[0]
+            interleaver.current = None
+            mediator.event = None
+            if message != PARKED:
+                if message == DONE:
+                    mediator.release(interleaver.pool)
+                elif key == 1 or key == self.result_key:
+                    try:
+                        interleaver._message(mediator, message, event)
+                    except (_Abort, _Stop):
+                        self.cut = True  # (the general run's `_forward` would return None)
+                else:
+                    interleaver._message(mediator, message, event)  # raises: ends the forward
+            return event.value if event.replaced else value
+        self.serving = _NONE
+        if self.replaced:
+            value = self.value
+        self.value = None
+        if message < 0:
+            self.want = ~message
+        elif message == FAILED:
+            if key == 1 or key == self.result_key:
+                self._raise()
+            raise _Abort()
+        return value
+
+    def _switch(self, payload):
+        """Resume the body with `payload` until it reads or ends, in its own grad mode."""
+        model_grad = _is_grad_enabled()
+        if self.body_grad != model_grad:
+            _set_grad_enabled(self.body_grad)
+        try:
+            return self.worker.switch(payload)
+        finally:
+            grad = _is_grad_enabled()
+            self.body_grad = grad
+            if grad != model_grad:
+                _set_grad_enabled(model_grad)
+
+    # -- what GenWorker asks of the mediator it stands for -----------------------------------
+
+    def raised(self, error):
+        """The body raised `error` (before any hand-over): its outcome, as
+        `GeneratorMediator.raised` maps it."""
+        try:
+            if isinstance(error, Cancelled):
+                return DONE
+            if isinstance(error, ENDED_EARLY):
+                self.fn.ended_early(error)
+                return DONE
+            self.error = self.fn.failed(error)
+            return FAILED
+        finally:
+            error = None
+
+    # -- the hand-over -----------------------------------------------------------------------
+
+    def hand_over(self):
+        """Build the general run as it would stand had it run this trace from the start, give
+        it the body, and return it (the engine's running trace from now on). Only from the
+        thread running the trace (`Engine.running` sees to it)."""
+        engine = self.engine
+        state = self.state
+        try:
+            interleaver = engine.idle.pop()
+        except IndexError:
+            interleaver = Interleaver(state)
+        interleaver.reset(False)
+        mediator = GeneratorMediator(self.fn, 0, None, "trace body")
+        interleaver.mediators.append(mediator)
+        interleaver._setup(True)
+        hub = interleaver.hub
+        stage = self.stage
+        if stage >= _FORWARD:
+            hub.fire(0)  # the root's call began (no body asked for its input)
+        for key in self.served:
+            hub.observe(key)
+            hub.fire(key)
+        if stage >= _ROOT_FIRED:
+            hub.fire(1)
+        if stage >= _RESULT_FIRED:
+            hub.position = len(state.order)
+            hub.fire(self.result_key)
+        self._unwrap()
+        interleaver.last_write = self.last_write
+        self.interleaver = interleaver
+        self.want = _NONE
+        engine.express = None
+        engine._running = interleaver
+        worker = self.worker
+        if worker.dead:
+            mediator.finished = True
+            return interleaver
+        mediator.worker = worker
+        worker.mediator = mediator
+        mediator.body_grad = self.body_grad
+        if worker.gen.gi_running:  # asked from the body: it goes on as the general run's
+            interleaver.current = mediator
+            if self.serving != _NONE:
+                event = self.event = hotpath.Event(self.serving, 0, self.value)
+                event.replaced = self.replaced
+                mediator.event = event
+            return interleaver
+        # The body waits in `generator_read` for a value this run would have served: ask
+        # the general run instead (only the request runs: the body's own code does not).
+        interleaver._resume(mediator, None, _HANDOVER)
+        return interleaver

@@ -1,0 +1,300 @@
+"""The express run (intervention/express.py): a warm generator-body trace served without the
+general run, handing over to it for whatever it does not serve.
+
+Every case runs each site three times (the first run of a site is its audit, on a greenlet;
+the later ones are express runs) and compares with an independent reference: plain torch
+hooks on the same module, or the same body with the express run turned off (where the
+question is that both routes give the same errors). `runs` counts the express runs and
+hand-overs, so that a case that should be express really is.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+import traceback
+
+import pytest
+import torch
+
+import interlace
+from interlace.errors import InterlaceError, OutOfOrderError
+from interlace.intervention import engine as engine_module
+from interlace.intervention import express, routes
+
+pytestmark = pytest.mark.skipif(
+    not (routes.ENABLED and express.ENABLED),
+    reason="generator bodies or the express run are forced off (INTERLACE_GENERATORS=0, INTERLACE_EXPRESS=0)",
+)
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Counts of express runs and of hand-overs while the test runs."""
+    counts = {"express": 0, "handed over": 0}
+    run, hand_over = express.Express.run, express.Express.hand_over
+
+    def counted_run(self, *args):
+        counts["express"] += 1
+        return run(self, *args)
+
+    def counted_hand_over(self):
+        counts["handed over"] += 1
+        return hand_over(self)
+
+    monkeypatch.setattr(express.Express, "run", counted_run)
+    monkeypatch.setattr(express.Express, "hand_over", counted_hand_over)
+    return counts
+
+
+def _hooked(gpt2, ids, paths, edit=None):
+    """Outputs of the modules at `paths` (and the logits) by plain torch hooks; `edit`:
+    {path: fn(output) -> replacement}."""
+    seen, handles = {}, []
+    for path in set(paths) | set(edit or {}):
+        module = gpt2.get_submodule(path)
+
+        def hook(module, args, output, path=path):
+            if edit and path in edit:
+                output = edit[path](output)
+            seen[path] = output
+            return output
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = gpt2(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, logits
+
+
+def _first(output):
+    """A block's hidden states (a tuple's first item in older `transformers`)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _clean(gpt2):
+    """The module is as it was: no instance forward or hook left on any submodule."""
+    for name, module in gpt2.named_modules():
+        assert "forward" not in module.__dict__, name
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
+
+
+def test_warm_reads_take_the_express_run_and_see_the_hooks_values(gpt2, gpt2_model, ids, runs):
+    seen, logits = _hooked(gpt2, ids, ["transformer.h.0", "transformer.h.1.mlp"])
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids) as tracer:
+            h0 = gpt2_model.transformer.h[0].output.save()
+            again = gpt2_model.transformer.h[0].output.save()  # the same value, read twice
+            mlp1 = gpt2_model.transformer.h[1].mlp.output.save()
+            out = gpt2_model.output.save()
+            result = tracer.result.save()
+        assert torch.equal(_first(h0), _first(seen["transformer.h.0"])) and again is h0
+        assert torch.equal(mlp1, seen["transformer.h.1.mlp"])
+        assert torch.equal(out.logits, logits) and result is out
+    assert runs == {"express": 2, "handed over": 0}
+    _clean(gpt2)
+
+
+def test_a_write_replaces_the_value_downstream(gpt2, gpt2_model, ids, runs):
+    _, logits = _hooked(gpt2, ids, [], edit={"transformer.h.0.mlp": torch.zeros_like})
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids):
+            mlp = gpt2_model.transformer.h[0].mlp
+            mlp.output = torch.zeros_like(mlp.output)
+            zeroed = mlp.output.save()
+            out = gpt2_model.lm_head.output.save()
+        assert torch.equal(zeroed, torch.zeros_like(zeroed))
+        assert torch.equal(out, logits)
+    assert runs == {"express": 2, "handed over": 0}
+
+
+def test_a_container_read_from_inside_is_served_when_it_returns(gpt2, gpt2_model, ids, runs):
+    seen, _ = _hooked(gpt2, ids, ["transformer.h.1", "transformer"])
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids):
+            h1 = gpt2_model.transformer.h[1].output.save()
+            body = gpt2_model.transformer.output.save()
+        assert torch.equal(_first(h1), _first(seen["transformer.h.1"]))
+        assert torch.equal(body.last_hidden_state, seen["transformer"].last_hidden_state)
+    assert runs == {"express": 2, "handed over": 0}
+
+
+def test_an_input_hands_over_and_still_sees_the_hooks_values(gpt2, gpt2_model, ids, runs):
+    seen, _ = _hooked(gpt2, ids, ["transformer.h.0"])
+    inputs = []
+    handle = gpt2.transformer.h[1].register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    try:
+        for _ in range(3):
+            with torch.no_grad(), gpt2_model.trace(ids):
+                h0 = gpt2_model.transformer.h[0].output.save()
+                x1 = gpt2_model.transformer.h[1].input.save()
+                gpt2_model.transformer.h[1].mlp.output = gpt2_model.transformer.h[1].mlp.output * 0
+                out = gpt2_model.lm_head.output.save()
+            assert torch.equal(_first(h0), _first(seen["transformer.h.0"]))
+            assert torch.equal(x1, inputs[-1])
+    finally:
+        handle.remove()
+    _, zeroed = _hooked(gpt2, ids, [], edit={"transformer.h.1.mlp": lambda o: o * 0})
+    assert torch.equal(out, zeroed)
+    assert runs == {"express": 2, "handed over": 2}
+    _clean(gpt2)
+
+
+def _errors(gpt2_model, ids, body, monkeypatch, on):
+    """What `body(model, ids, fail)` raises (type, message, the interlace frames in its
+    traceback) on two runs with `fail=True`, after one run without (so that its site
+    has run once: it takes the generator route, hence the express run, from then on)."""
+    monkeypatch.setattr(engine_module, "_EXPRESS", on)
+    body(gpt2_model, ids, False)
+    raised = []
+    for _ in range(2):
+        try:
+            body(gpt2_model, ids, True)
+        except Exception as error:  # noqa: BLE001 - compared below
+            ours = [frame.name for frame in traceback.extract_tb(error.__traceback__)
+                    if "interlace" + os.sep in frame.filename]
+            raised.append((type(error), str(error), ours))
+        else:
+            raised.append(None)
+    return raised
+
+
+def _out_of_order(model, ids, fail):
+    with torch.no_grad(), model.trace(ids):
+        first = model.transformer.h[1 if fail else 0]
+        then = model.transformer.h[0 if fail else 1]
+        first.output.save()
+        then.output.save()
+
+
+def _never_called(model, ids, fail):
+    with torch.no_grad(), model.trace(ids):
+        model.transformer.h[0].output.save()
+        if fail:
+            model.transformer.h[1].attn.attn_dropout.output.save()  # eager attention: not called
+
+
+def _body_raises(model, ids, fail):
+    with torch.no_grad(), model.trace(ids):
+        h = model.transformer.h[0].output
+        if fail:
+            raise KeyError(f"from the body {type(h).__name__}")
+
+
+def _body_raises_at_start(model, ids, fail):
+    with torch.no_grad(), model.trace(ids):
+        if fail:
+            raise KeyError("before any read")
+        model.transformer.h[0].output.save()
+
+
+def _model_raises(model, ids, fail):
+    with torch.no_grad(), model.trace(ids.float() if fail else ids):  # the embedding refuses floats
+        model.transformer.h[0].output.save()
+
+
+@pytest.mark.parametrize("body", [_out_of_order, _never_called, _body_raises, _body_raises_at_start,
+                                  _model_raises], ids=lambda f: f.__name__.strip("_"))
+def test_errors_are_the_general_runs(gpt2, gpt2_model, ids, monkeypatch, runs, body):
+    general = _errors(gpt2_model, ids, body, monkeypatch, False)
+    got = _errors(gpt2_model, ids, body, monkeypatch, True)
+    assert got == general and all(error is not None for error in got)
+    # no interlace frame in a traceback (the twin keeps its `__exit__`: README, Known limits)
+    assert all(error[2] == ([] if interlace.native else ["__exit__"]) for error in got)
+    assert runs["express"] == 3  # (the site ran once on the general route first)
+    _clean(gpt2)
+
+
+def test_out_of_order_and_never_produced_errors_hand_over(gpt2_model, ids, runs):
+    for body in (_out_of_order, _never_called):
+        body(gpt2_model, ids, False)  # (the site's first run, if it is: its audit)
+    runs.update({"express": 0, "handed over": 0})
+    for body in (_out_of_order, _never_called):
+        with pytest.raises(OutOfOrderError):
+            body(gpt2_model, ids, True)
+    assert runs == {"express": 2, "handed over": 2}
+
+
+def test_a_module_call_in_the_body_hands_over_mid_forward(gpt2, gpt2_model, ids, runs):
+    seen, logits = _hooked(gpt2, ids, ["transformer.h.0", "transformer.h.1"])
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids):
+            h0 = gpt2_model.transformer.h[0].output
+            again = gpt2_model.transformer.h[1](_first(h0))  # runs as a plain module
+            h1 = gpt2_model.transformer.h[1].output.save()
+            same = interlace.save(torch.equal(_first(again), _first(h1)))
+            out = gpt2_model.lm_head.output.save()
+        assert torch.equal(_first(h1), _first(seen["transformer.h.1"])) and same
+        assert torch.equal(out, logits)
+    assert runs == {"express": 2, "handed over": 2}
+    _clean(gpt2)
+
+
+def test_a_module_with_a_hook_of_its_own_hands_over_and_keeps_it(gpt2, gpt2_model, ids, runs):
+    calls = []
+    handle = gpt2.transformer.h[0].mlp.register_forward_hook(lambda m, a, o: calls.append(1))
+    try:
+        seen, _ = _hooked(gpt2, ids, ["transformer.h.0.mlp"])
+        for _ in range(3):
+            with torch.no_grad(), gpt2_model.trace(ids):
+                mlp = gpt2_model.transformer.h[0].mlp.output.save()
+            assert torch.equal(mlp, seen["transformer.h.0.mlp"])
+    finally:
+        handle.remove()
+    assert len(calls) == 4 and runs == {"express": 2, "handed over": 2}
+    _clean(gpt2)
+
+
+def test_grad_mode_is_the_bodys_across_a_read_and_the_models_after(gpt2_model, ids, runs):
+    for _ in range(3):
+        with gpt2_model.trace(ids):
+            torch.set_grad_enabled(False)
+            gpt2_model.transformer.h[0].output
+            in_body = interlace.save(torch.is_grad_enabled())
+            h1 = gpt2_model.transformer.h[1].output.save()
+            needs = interlace.save(_first(h1).requires_grad)
+        assert in_body is False and needs is True and torch.is_grad_enabled()
+    assert runs["express"] == 2
+
+
+def test_a_read_from_another_thread_gets_the_general_runs_error(gpt2_model, ids, runs):
+    errors = []
+
+    def other():
+        try:
+            gpt2_model.transformer.h[0].output
+        except InterlaceError as error:
+            errors.append(str(error))
+
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids):
+            h = gpt2_model.transformer.h[0].output.save()
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+    assert errors == [
+        "model.transformer.h.0.output can only be read inside the body of the `with "
+        "model.trace(...)` block that is running it (not from another thread or after the block)"
+    ] * 3
+    assert runs == {"express": 2, "handed over": 0} and h is not None
+
+
+def test_interlace_express_0_turns_it_off():
+    code = (
+        "import torch, interlace\n"
+        "from interlace.intervention import express\n"
+        "assert not express.ENABLED\n"
+        "ran = []\n"
+        "run = express.Express.run\n"
+        "express.Express.run = lambda self, *a: ran.append(1) or run(self, *a)\n"
+        "model = interlace.Model(torch.nn.Sequential(torch.nn.Linear(2, 2)))\n"
+        "for _ in range(3):\n"
+        "    with model.trace(torch.ones(1, 2)):\n"
+        "        h = model[0].output.save()\n"
+        "assert ran == [] and h.shape == (1, 2)\n"
+    )
+    env = dict(os.environ, INTERLACE_EXPRESS="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
