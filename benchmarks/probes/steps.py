@@ -33,7 +33,11 @@ what prices a trace: the forward's working set nearly fills L2, so every line a 
 in evicts one of the model's, which its matmuls fetch again (the "raw forward" row of a
 trace's run shows them). `--footprint` flushes the simulated caches (an 8 MB read, not
 counted) before each whole call, so that its L2 misses are the distinct lines it touches: the
-trace's own footprint, which the forward's lines must make room for.
+trace's own footprint, which the forward's lines must make room for. Its rows go layer by
+layer: the prototypes, the tracer core around the generator prototype (`gencore`), interlace
+with an empty body, reading the root's output, reading the block through an Envoy looked up
+before the block, the whole save-one trace (an express run, intervention/express.py), and
+the same trace on the general run.
 """
 
 from __future__ import annotations
@@ -91,6 +95,14 @@ STEPS = [
     ("interlace.intervention.body", "BodyJob.finish"),
     ("interlace.intervention.interleaver", "Interleaver.generator_read"),
     ("interlace.intervention.envoy", "Envoy.__interlace_read__"),
+    # the express run's (express.py): the warm generator-body trace without the general run
+    ("interlace.intervention.express", "Express.run"),
+    ("interlace.intervention.express", "Express._switch"),
+    ("interlace.intervention.express", "Express.serve"),
+    ("interlace.intervention.express", "Express._ahead"),
+    ("interlace.intervention.express", "Express._returned"),
+    ("interlace.intervention.express", "Express._close"),
+    ("interlace.tracing.generators", "read"),
 ]
 
 HELPER = r"""
@@ -235,7 +247,8 @@ def inside(folder, traces, forward="gpt2", footprint=False):
 
     # --footprint's layers: the generator prototype, then interlace's tracer core around it
     # (the harness's gencore), then interlace with an empty body, reading the root's output
-    # (no tap), and the whole trace (block 0 tapped, and its container)
+    # (no tap), reading block 0's output through an Envoy looked up before the block, and the
+    # whole trace (block 0 tapped, and its container), then the same on the general run
     from benchmarks.prototype import Bare, GeneratorCore, GeneratorPrototype
 
     bare = Bare(module, ids, block)
@@ -251,9 +264,28 @@ def inside(folder, traces, forward="gpt2", footprint=False):
             out = model.output.save()
         return out
 
+    envoy = model.h[0] if forward == "identity" else model.transformer.h[0]
+
+    def fetched():  # the save-one trace with its Envoy looked up before the block
+        with model.trace(ids):
+            out = envoy.output.save()
+        return out
+
+    from interlace.intervention import engine as engine_module
+
+    express = engine_module._EXPRESS
+
+    def general():  # the save-one trace on the general run (no express run: INTERLACE_EXPRESS=0)
+        engine_module._EXPRESS = False
+        try:
+            return trace()
+        finally:
+            engine_module._EXPRESS = express
+
     totals = {}
     with torch.no_grad():
-        for fn in (raw, hooks, prototype, whole, calibrate, genproto, gencore, empty, root_output):
+        for fn in (raw, hooks, prototype, whole, calibrate, genproto, gencore, empty, root_output,
+                   fetched, general):
             for _ in range(30):
                 fn()
         if footprint:  # every call starts with cold caches: its L2 misses are its distinct lines
@@ -261,7 +293,8 @@ def inside(folder, traces, forward="gpt2", footprint=False):
             for name, fn in (("raw forward", raw), ("plain hooks", hooks), ("prototype", prototype),
                              ("generator prototype", genproto), ("tracer core + it (gencore)", gencore),
                              ("interlace, empty body", empty), ("interlace, the root's output", root_output),
-                             ("trace, whole", trace)):
+                             ("interlace, the block's Envoy fetched before", fetched),
+                             ("trace, whole", trace), ("the same on the general run", general)):
                 marks.il_start()
                 marks.il_toggle()
                 for _ in range(traces):

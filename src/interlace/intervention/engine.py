@@ -33,10 +33,11 @@ from .batching import Batcher, BatchingError, RunAlone
 from .express import ENABLED as _EXPRESS
 from .express import Express
 from .interleaver import Interleaver
-from .routes import GENERATOR
+from .routes import GENERATOR, eligible
 from .state import ModelState
 
 _PLAIN = Batcher()
+GENERAL = object()  # `Engine.express_trace`'s "not an express run: call `interleave`"
 
 
 class Engine:
@@ -108,24 +109,13 @@ class Engine:
         factories of bodies replayed before each invoke's own body, on its rows
         (`model.edit()`). Returns the model's return value.
         """
-        common = (len(invokes) == 1 and not edits and run is None and batcher is None
-                  and type(self.batcher) is Batcher)
-        if common and not backward and self.state.order is not None and _EXPRESS:
-            # the common trace of a generator body: an express run, while it can be one
-            fn, args, kwargs = invokes[0]
-            block = getattr(fn, "route_block", None)
-            if block is not None and block.route is GENERATOR and self.lock.acquire(blocking=False):
-                self.owner = threading.get_ident()
-                express = self._express
-                if express is None:
-                    express = self._express = Express(self.state)
-                return express.run(self, fn, args, kwargs)  # (it releases the lock)
         try:
             interleaver = self.idle.pop()  # atomic: two threads never get the same one
         except IndexError:
             interleaver = Interleaver(self.state)
         interleaver.reset(backward)
-        if common:
+        if (len(invokes) == 1 and not edits and run is None and batcher is None
+                and type(self.batcher) is Batcher):
             # the common trace: one input as given, nothing to batch or replay
             fn, args, kwargs = invokes[0]
             interleaver.add(fn)
@@ -178,6 +168,29 @@ class Engine:
             if interleaver.reusable and len(self.idle) < 2:
                 self.idle.append(interleaver)
         return self._run_alone(alone, together, invokes, run, batcher, backward, edits)
+
+    def express_trace(self, body, out, args, kwargs):
+        """`interleave([(BodyJob(body, out), args, kwargs)])` as an express run (express.py)
+        when it can be one: the body takes the generator route, the model's order is learned,
+        its inputs are used as given or prepared by the engine's batcher as one invoke's (a
+        language model's prompt), nobody runs it now. Else GENERAL, having run nothing."""
+        if not _EXPRESS or self.state.order is None:
+            return GENERAL
+        block = eligible(body)
+        if block is None or block.route is not GENERATOR:
+            return GENERAL
+        batcher = self.batcher
+        if type(batcher) is not Batcher:  # as `_build` does for one invoke
+            batcher = batcher.for_run(None)
+            if not batcher.as_given:
+                args, kwargs = batcher.batch([batcher.prepare(args, kwargs)])
+        if not self.lock.acquire(blocking=False):
+            return GENERAL  # (another run has the model: `interleave` waits, or says why not)
+        self.owner = threading.get_ident()
+        express = self._express
+        if express is None:
+            express = self._express = Express(self.state)
+        return express.run(self, body, out, args, kwargs)  # (it releases the lock)
 
     def _run_alone(self, signal, together, invokes, run, batcher, backward, edits):
         """A batched run could not give an item its own value (`RunAlone`): run each invoke

@@ -34,13 +34,18 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
+from contextvars import copy_context
 
+
+from greenlet import getcurrent
 
 from .._native import hotpath
 from ..tracing.tracer import user_frame
 from . import compiled
-from .hooks import _tappable
+from .hooks import GLOBAL_HOOKS, _OWN_HOOKS, _tappable
 from .interleaver import Interleaver, _Abort, _Stop
+from .body import BodyJob
 from .mediator import (
     DONE,
     ENDED_EARLY,
@@ -49,6 +54,8 @@ from .mediator import (
     Cancelled,
     GeneratorMediator,
     GenWorker,
+    _enter_body,
+    _exit_body,
     _is_grad_enabled,
     _set_grad_enabled,
 )
@@ -67,44 +74,49 @@ _BODY_START, _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = range(5)
 class Express:
     """One model's express runs (one at a time: the engine's lock), and the hand-over.
 
-    While a run is on, it stands in for the body's mediator to its `GenWorker` (`fn`,
-    `raised`) until the hand-over gives the worker a real one.
+    A run drives the body's generator itself (what `GenWorker` and `BodyJob` do for the
+    general run: its own context and save state, its final locals into `out`); the
+    hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same.
     """
 
     __slots__ = (
-        "engine", "state", "positions", "result_key", "fn", "worker", "body_grad", "error",
+        "engine", "state", "positions", "result_key", "body", "out", "gen", "context", "token",
+        "dead", "worker", "body_grad", "error",
         "stage", "want", "serving", "value", "replaced", "position", "served", "wrapped",
-        "interleaver", "event", "last_write", "runs", "cut",
+        "interleaver", "event", "last_write", "cut", "wrappers", "__weakref__",
     )
 
     def __init__(self, state):
         self.engine = None  # the engine, during a run (kept only then: no cycle through it)
         self.state = state
-        self.fn = self.worker = self.error = self.value = self.interleaver = None
+        self.body = self.out = self.gen = self.context = self.token = None
+        self.worker = self.error = self.value = self.interleaver = None
         self.event = self.last_write = None
         self.served = []  # module outputs served so far in this run, in order (the replay)
         self.wrapped = {}  # module index -> (its instance dict, the wrapper this run set)
-        self.runs = 0
+        self.wrappers = {}  # module index -> (its wrapper, the class and forward it wraps)
         self.want = self.serving = _NONE
 
     # -- the run ---------------------------------------------------------------------------
 
-    def run(self, engine, fn, args, kwargs):
-        """Run the root on `args`/`kwargs` with job `fn` (a generator body's) beside it; the
-        caller took `engine`'s lock for this thread, which this releases."""
+    def run(self, engine, body, out, args, kwargs):
+        """Run the root on `args`/`kwargs` with `body` (a deferred body on the generator
+        route) beside it, its final locals into `out`; the caller took `engine`'s lock for
+        this thread, which this releases."""
         self.engine = engine
         state = self.state
         self.positions = state.positions
         self.result_key = state.result_key
-        self.runs += 1
-        self.fn = fn
+        self.body = body
+        self.out = out
         self.stage = _BODY_START
         self.position = -1
-        self.replaced = self.cut = False
+        self.replaced = self.cut = self.dead = False
         eager = compiled.force_eager()
         try:
-            gen, save_state = fn.generator()
-            self.worker = GenWorker(self, gen, save_state)
+            self.gen = body.generator()
+            context = self.context = copy_context()  # the body's contextvars are its own
+            self.token = context.run(_enter_body, body.state)  # `.save()` saves there
             self.body_grad = _is_grad_enabled()
             engine.express = self
             message = self._switch(None)  # the body, up to its first read
@@ -126,13 +138,15 @@ class Express:
                     self.interleaver._model_raised(error)
                 raise
             self.stage = _RETURNED
-            self.position = sys.maxsize  # every module has run
             interleaver = self.interleaver
-            if interleaver is None and self.want not in (_NONE, 1, self.result_key):
+            if interleaver is None:
+                if self.want == _NONE:
+                    return result  # (the common end: the body ended inside the forward)
+                self.position = sys.maxsize  # every module has run
+                if self.want == 1 or self.want == self.result_key:
+                    return self._returned(result)
                 interleaver = self.hand_over()  # waits for what never came: it says so
-            if interleaver is not None:
-                return interleaver._end(interleaver._root_returned(args, result))
-            return self._returned(result)
+            return interleaver._end(interleaver._root_returned(args, result))
         finally:
             self._close(eager)
 
@@ -181,11 +195,16 @@ class Express:
                 interleaver._teardown()
             else:
                 self._unwrap()
-                worker = self.worker
-                if worker is not None and not worker.dead:
-                    worker.close()  # (the model raised while the body waited)
+                if self.gen is not None and not self.dead:  # (the model raised while it waited)
+                    self.dead = True
+                    try:
+                        self.context.run(self.gen.close)
+                    except BaseException:  # noqa: BLE001 - a broken body must not block teardown
+                        pass
+                    self.context.run(_exit_body, self.token)
         finally:
-            self.fn = self.worker = self.value = self.error = self.event = None
+            self.body = self.out = self.gen = self.context = self.token = None
+            self.worker = self.value = self.error = self.event = None
             self.interleaver = self.last_write = self.engine = None
             self.served.clear()
             self.want = self.serving = _NONE
@@ -203,7 +222,7 @@ class Express:
         """`Interleaver.generator_read` while this run serves the body: yields `~key` to the
         wrapper that will send the value; hands over whatever it does not serve."""
         # (only the body's own frame reads here: not another thread, not another body)
-        if self.interleaver is None and sys._getframe(1) is self.worker.gen.gi_frame:
+        if self.interleaver is None and sys._getframe(1) is self.gen.gi_frame:
             if key == self.serving:  # the value being read now (or a write to it)
                 if value is _READ:
                     return self.value
@@ -245,33 +264,52 @@ class Express:
         return self._wrap(key >> 1)
 
     def _wrap(self, index):
-        """Set this run's wrapper on module `index` and on the modules containing it (not the
-        root, whose call this run makes); False, having set none, when one may not have it."""
+        """Set this run's wrapper on module `index` and on the modules containing it that run
+        (not the root, whose call this run makes); False, having set none, when one may not
+        have it (hooks of its own or global ones, a replaced forward: `hooks._tappable`)."""
+        forward_hooks, pre_hooks, backward_hooks, backward_pre_hooks = GLOBAL_HOOKS
+        if forward_hooks or pre_hooks or backward_hooks or backward_pre_hooks:
+            return False
         state = self.state
         wrapped = self.wrapped
-        todo = []
+        visits = state.visits
+        todo = None
         for i in state.ancestors[index] + (index,):
-            if i == 0 or i in wrapped:
-                continue
+            if i == 0 or i in wrapped or not visits[2 * i + 1]:
+                continue  # the root, set already, or a container never called (a ModuleList)
             module = state.modules[i]
             instance = module.__dict__
-            if instance.get("forward") is not state.forwards[i] or not _tappable(instance, type(module)):
-                return False
-            todo.append((i, module, instance))
-        for i, module, instance in todo:
-            wrapper = self._wrapper(2 * i + 1, module.forward)
-            instance["forward"] = wrapper
-            wrapped[i] = (instance, wrapper)
+            if "forward" in instance:
+                return False  # a forward of its own (accelerate's, a user's): the general run
+            for name in _OWN_HOOKS:
+                if instance.get(name):
+                    return False
+            cls = type(module)
+            cached = self.wrappers.get(i)
+            if cached is None or cached[1] is not cls or cached[2] is not cls.forward:
+                if not _tappable(instance, cls):
+                    return False
+                cached = self.wrappers[i] = (self._wrapper(2 * i + 1, module.forward), cls, cls.forward)
+            if todo is None:
+                todo = []
+            todo.append((i, instance, cached[0]))
+        if todo is not None:
+            for i, instance, wrapper in todo:
+                instance["forward"] = wrapper
+                wrapped[i] = (instance, wrapper)
         return True
 
     def _wrapper(self, key, original):
-        express = self
-        runs = self.runs
+        """Module `key >> 1`'s forward for express runs (made once, set per run): its output
+        is sent into the body waiting for it; after a hand-over it is the general run's event.
+        Outside a run it is the original forward."""
+        ref = weakref.ref(self)  # (kept by the Express: a strong one would be a cycle)
 
         def forward(*args, **kwargs):
             output = original(*args, **kwargs)
-            if express.runs != runs:
-                return output  # (kept by someone past its run)
+            express = ref()
+            if express is None:
+                return output
             if express.want == key:
                 return express.serve(key, output)
             interleaver = express.interleaver
@@ -333,33 +371,52 @@ class Express:
         return value
 
     def _switch(self, payload):
-        """Resume the body with `payload` until it reads or ends, in its own grad mode."""
+        """Resume the body with `payload` until it reads (`~key`) or ends (DONE, FAILED),
+        in its own grad mode and context; after a hand-over inside, the general run's
+        message (PARKED...), as `GenWorker.switch` gives it."""
         model_grad = _is_grad_enabled()
         if self.body_grad != model_grad:
             _set_grad_enabled(self.body_grad)
         try:
-            return self.worker.switch(payload)
+            return self.context.run(self.gen.send, payload)
+        except StopIteration as end:
+            return self._ended(end.value, None)
+        except GeneratorExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - reported to the model side
+            return self._ended(None, error)
         finally:
+            payload = None
             grad = _is_grad_enabled()
             self.body_grad = grad
             if grad != model_grad:
                 _set_grad_enabled(model_grad)
 
-    # -- what GenWorker asks of the mediator it stands for -----------------------------------
-
-    def raised(self, error):
-        """The body raised `error` (before any hand-over): its outcome, as
-        `GeneratorMediator.raised` maps it."""
+    def _ended(self, values, error):
+        """The body returned `values` or raised `error`: its outcome, as the general run's
+        `GenWorker.switch` and `GeneratorMediator.raised` map it."""
+        worker = self.worker
+        if worker is not None:  # handed over: the general run's mediator hears of it
+            mediator = worker._ended()
+            if error is None:
+                mediator.fn.finish(values)
+                return DONE
+            return mediator.raised(error)
+        self.dead = True
+        self.context.run(_exit_body, self.token)
         try:
+            if error is None:
+                self.out.update(self.body.generator_locals(values))
+                return DONE
             if isinstance(error, Cancelled):
                 return DONE
             if isinstance(error, ENDED_EARLY):
-                self.fn.ended_early(error)
+                self.out.update(self.body.locals_at(error))
                 return DONE
-            self.error = self.fn.failed(error)
+            self.error = error
             return FAILED
         finally:
-            error = None
+            error = None  # (no cycle through this frame's local)
 
     # -- the hand-over -----------------------------------------------------------------------
 
@@ -374,7 +431,7 @@ class Express:
         except IndexError:
             interleaver = Interleaver(state)
         interleaver.reset(False)
-        mediator = GeneratorMediator(self.fn, 0, None, "trace body")
+        mediator = GeneratorMediator(BodyJob(self.body, self.out), 0, None, "trace body")
         interleaver.mediators.append(mediator)
         interleaver._setup(True)
         hub = interleaver.hub
@@ -395,14 +452,15 @@ class Express:
         self.want = _NONE
         engine.express = None
         engine._running = interleaver
-        worker = self.worker
-        if worker.dead:
+        if self.dead:
             mediator.finished = True
             return interleaver
+        worker = self.worker = GenWorker.__new__(GenWorker)  # the body as the general run's
+        worker.gen, worker.context, worker.token = self.gen, self.context, self.token
+        worker.mediator, worker.home, worker.dead = mediator, getcurrent(), False
         mediator.worker = worker
-        worker.mediator = mediator
         mediator.body_grad = self.body_grad
-        if worker.gen.gi_running:  # asked from the body: it goes on as the general run's
+        if self.gen.gi_running:  # asked from the body: it goes on as the general run's
             interleaver.current = mediator
             if self.serving != _NONE:
                 event = self.event = hotpath.Event(self.serving, 0, self.value)

@@ -19,6 +19,7 @@ from ..tracing.generators import Ready
 from .body import BodyJob
 from .access import active_interleaver
 from .edit import replays
+from .engine import GENERAL
 from .grads import block_uses_backward, followed_by_with
 from .iteration import IterMixin
 
@@ -282,12 +283,19 @@ class _InterleavingBackend(Backend):
             if args or kwargs:  # `model.trace(x)`: the whole body is one mediator
                 values = {}
                 model = tracer.model
-                tracer._result = tracer.engine.interleave(
-                    [(BodyJob(tracer.defer(), values), args, kwargs)],
-                    run=tracer._run, batcher=tracer._batcher,
-                    backward=block_uses_backward(tracer.block),
-                    edits=replays(model) if "_edits" in model.__dict__ else (),
-                )
+                engine = tracer.engine
+                body = tracer.defer()
+                result = GENERAL
+                if tracer._run is None and tracer._batcher is None and "_edits" not in model.__dict__:
+                    result = engine.express_trace(body, values, args, kwargs)  # the common trace
+                if result is GENERAL:
+                    result = engine.interleave(
+                        [(BodyJob(body, values), args, kwargs)],
+                        run=tracer._run, batcher=tracer._batcher,
+                        backward=block_uses_backward(tracer.block),
+                        edits=replays(model) if "_edits" in model.__dict__ else (),
+                    )
+                tracer._result = result
                 tracer.push_result(values)
             else:
                 self.run_invokes(tracer)

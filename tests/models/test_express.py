@@ -1,0 +1,37 @@
+"""A LanguageModel trace of a prompt takes the express run (intervention/express.py) from its
+site's second run on: the prompt is prepared as one invoke's, then the body's reads are sent
+in by the express run's wrappers. Reference: the plain transformers model with plain hooks."""
+
+import pytest
+import torch
+
+from conftest import encode, layers
+from interlace.intervention import express, routes
+
+pytestmark = pytest.mark.skipif(
+    not (routes.ENABLED and express.ENABLED),
+    reason="generator bodies or the express run are forced off (INTERLACE_GENERATORS=0, INTERLACE_EXPRESS=0)",
+)
+
+
+def test_a_prompt_trace_takes_the_express_run_with_the_hooks_values(lm, hf_model, hf_tokenizer, arch,
+                                                                    monkeypatch):
+    runs = []
+    run = express.Express.run
+    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    text = "the capital of france is paris and"
+    seen = []
+    handle = layers(hf_model, arch)[1].register_forward_hook(
+        lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            logits = hf_model(encode(hf_tokenizer, text)).logits
+    finally:
+        handle.remove()
+    for _ in range(3):
+        with torch.no_grad(), lm.trace(text) as tracer:
+            h1 = layers(lm, arch)[1].output.save()
+            out = tracer.result.logits.save()
+        h1 = h1[0] if isinstance(h1, tuple) else h1
+        assert torch.equal(h1, seen[0]) and torch.allclose(out, logits, atol=1e-6)
+    assert len(runs) >= 2  # (the site's first run, under either model, audits it)
