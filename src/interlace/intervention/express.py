@@ -58,6 +58,7 @@ from .mediator import (
     _exit_body,
     _is_grad_enabled,
     _set_grad_enabled,
+    close_generator_body,
 )
 
 ENABLED = os.environ.get("INTERLACE_EXPRESS", "") != "0"
@@ -197,11 +198,7 @@ class Express:
                 self._unwrap()
                 if self.gen is not None and not self.dead:  # (the model raised while it waited)
                     self.dead = True
-                    try:
-                        self.context.run(self.gen.close)
-                    except BaseException:  # noqa: BLE001 - a broken body must not block teardown
-                        pass
-                    self.context.run(_exit_body, self.token)
+                    close_generator_body(self.gen, self.context, self.token)
         finally:
             self.body = self.out = self.gen = self.context = self.token = None
             self.worker = self.value = self.error = self.event = None

@@ -297,11 +297,7 @@ class GenWorker:
         """Drop a body that would not end: its generator is closed, its save state left."""
         if not self.dead:
             self.dead = True
-            try:
-                self.context.run(self.gen.close)
-            except BaseException:  # noqa: BLE001 - a broken body must not block teardown
-                pass
-            self.context.run(_exit_body, self.token)
+            close_generator_body(self.gen, self.context, self.token)
             self.mediator = None
 
     @property
@@ -313,6 +309,16 @@ class GenWorker:
     def gr_frame(self):
         """The innermost frame of the user's code in the suspended body (its yield chain)."""
         return yielding_frame(self.gen)
+
+
+def close_generator_body(gen, context, token):
+    """Close a generator body that did not end (its `finally` blocks run in its `context`),
+    then leave its save state (`token`): a broken body must not block a teardown."""
+    try:
+        context.run(gen.close)
+    except BaseException:  # noqa: BLE001 - a broken body must not block teardown
+        pass
+    context.run(_exit_body, token)
 
 
 def yielding_frame(gen):
