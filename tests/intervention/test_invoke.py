@@ -75,6 +75,39 @@ def test_in_place_edit_in_one_invoke(mlp, mlp_model):
         assert torch.allclose(tracer.result[1:], mlp(x2), atol=1e-6)
 
 
+def test_invokes_of_the_very_same_input_each_edit_only_their_rows(mlp, mlp_model):
+    """Three invokes pass the same tensor object (its inputs are prepared once for all of
+    them): each still gets rows of its own, an in-place edit in one reaches no other, and the
+    caller's tensor is left as it was."""
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(7))
+    before = x.clone()
+    with torch.no_grad(), mlp_model.trace() as tracer:
+        with tracer.invoke(x):
+            mlp_model[2].output[:] = 0
+        with tracer.invoke(x):
+            h = mlp_model[2].output.clone().save()
+        with tracer.invoke(x):
+            mlp_model[2].output[:, 0] += 1
+    with torch.no_grad():
+        plain = mlp(x)
+        with hooked(mlp, output={mlp[2]: lambda m, a, out: out * 0}):
+            zeroed = mlp(x)
+
+        def bump(module, args, out):
+            out = out.clone()
+            out[:, 0] += 1
+            return out
+
+        with hooked(mlp, output={mlp[2]: bump}):
+            bumped = mlp(x)
+        assert torch.allclose(h, mlp[:3](x), atol=1e-6)
+    assert tracer.result.shape == (6, 4)
+    assert torch.allclose(tracer.result[0:2], zeroed, atol=1e-6)
+    assert torch.allclose(tracer.result[2:4], plain, atol=1e-6)
+    assert torch.allclose(tracer.result[4:6], bumped, atol=1e-6)
+    assert torch.equal(x, before)
+
+
 def test_inputs_that_cannot_be_batched(mlp_model):
     with pytest.raises(BatchingError, match=r"positional argument 0 is a tensor of shape \(1, 6\) "
                                             r"and dtype torch.float32 in invoke 0 but a tensor of "

@@ -285,7 +285,7 @@ class Engine:
             return call, args, kwargs
         if len(invokes) > 1:
             self.check_batch_dim(batcher)
-        prepared = [batcher.prepare(args, kwargs) for _, args, kwargs in invokes]
+        prepared = _prepare_all(batcher, invokes)
         args, kwargs = batcher.batch(prepared) if prepared else ((), {})
         if len(invokes) > 1:
             rows = batcher.slices(prepared)
@@ -300,6 +300,22 @@ class Engine:
             for fn, _, _ in invokes:
                 interleaver.add(fn)
         return call, args, kwargs
+
+
+def _prepare_all(batcher, invokes):
+    """`batcher.prepare` of each invoke's inputs. The default batcher's is a function of
+    its arguments alone, so invokes that pass the very same ones (the sweep items of a shared
+    input) share one answer: one call per run, not one per item."""
+    prepare = batcher.prepare
+    if type(batcher).prepare is not Batcher.prepare:
+        return [prepare(args, kwargs) for _, args, kwargs in invokes]
+    prepared = []
+    last_args = last_kwargs = last = None
+    for _, args, kwargs in invokes:
+        if args is not last_args or kwargs is not last_kwargs:
+            last_args, last_kwargs, last = args, kwargs, prepare(args, kwargs)
+        prepared.append(last)
+    return prepared
 
 
 def _add_edits(interleaver, edits, rows_per_invoke):

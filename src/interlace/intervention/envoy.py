@@ -331,7 +331,8 @@ class Envoy:
         fields = self.__dict__
         engine = fields["_engine"]
         # an express run serves the read itself (express.py), else the running trace
-        interleaver = engine.express or engine.running
+        # (`_running`: `Engine.running` less its express check, made here already)
+        interleaver = engine.express or engine._running
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             return Ready(getattr(self, name))
         if name == "output":
@@ -348,7 +349,7 @@ class Envoy:
     def __interlace_write__(self, name, value):
         """`self.<name> = value` in a generator body (see `__interlace_read__`)."""
         engine = self._engine
-        interleaver = engine.express or engine.running
+        interleaver = engine.express or engine._running  # (see `__interlace_read__`)
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             setattr(self, name, value)
             return Ready(None)

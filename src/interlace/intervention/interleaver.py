@@ -310,7 +310,8 @@ class Interleaver(hotpath.Exchange):
                 message = mediator.start(pool)
             finally:
                 self.current = None
-            self._started(mediator, message)
+            if message != PARKED and message != DONE or self.participants:
+                self._started(mediator, message)  # (nothing to do for the common two, alone)
             if self.stopped or self.failure is not None:
                 return
 
@@ -691,9 +692,14 @@ class Interleaver(hotpath.Exchange):
         if value is not _READ:
             self._written(mediator, event, key, value)
             return None
-        if mediator.rows is None:
+        rows = mediator.rows
+        if rows is None:
             return event.value
-        return self.narrowed(event, mediator, key)
+        value = event.value
+        # `narrowed`'s common case inline (every read of every sweep item): see there
+        if type(value) is Tensor and not self.backward and self.axes.get((key, value.shape)) == 0:
+            return value[rows]
+        return self._part(event, mediator, key)
 
     def generator_write(self, key, value):
         """`write(key, value)` for a body running as a generator (see `generator_read`)."""

@@ -277,7 +277,9 @@ class GenWorker:
         try:
             return self.context.run(self.gen.send, payload)
         except StopIteration as end:
-            mediator = self._ended()
+            self.dead = True  # (`_ended`, inline: every body that returns ends here)
+            self.context.run(_exit_body, self.token)
+            mediator, self.mediator = self.mediator, None
             mediator.fn.finish(end.value)
             return DONE
         except GeneratorExit:

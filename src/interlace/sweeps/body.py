@@ -131,7 +131,10 @@ class ItemBody:
         body = job.body  # (made by `decide_route`)
         states = job.states
         state = self.state = body.state = states.pop() if states else TraceState(None)
-        return body.generator(), state
+        start = job.generator_start
+        if start is None:  # every item starts from the sweep's one namespace: looked up once
+            start = job.generator_start = body.generator_start()
+        return start[0](*start[1]), state
 
     def finish(self, values, plain=False):
         # (`__call__`'s `finally` does the same inline: a Python call per item less there)
@@ -139,7 +142,7 @@ class ItemBody:
         state = self.state
         self.state = None
         body.state = state
-        self.saved = body.results(values if plain else body.generator_locals(values))
+        self.saved = body.results(values) if plain else body.generator_results(values)
         state.saved.clear()
         self.job.states.append(state)
 

@@ -70,6 +70,7 @@ class Job:
         self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
         self.states = []  # save states of finished items, for the next items (body.ItemBody)
         self.route_block = UNDECIDED  # the body's Block if items may run as generators, else None
+        self.generator_start = None  # the body's generator function and arguments (body.ItemBody)
 
     def entries(self, model, items):
         """`items` as Entries (each with its inputs and batch key), made lazily; an item whose
@@ -85,18 +86,18 @@ class Job:
         for index, item in enumerate(items):
             try:
                 value = item if source is None else source(item) if per_item else source
-                if isinstance(value, Inputs):
-                    args, kwargs = split(value, shared)
-                else:
-                    args, kwargs = (value,), shared
                 cached = keys.get(id(value))
-                if cached is not None and cached[0] is value:  # a shared input: one key
-                    key = cached[1]
+                if cached is not None and cached[0] is value:  # a shared input: one key, and
+                    _, key, args, kwargs = cached  # the same arguments (prepared once a batch)
                 else:
+                    if isinstance(value, Inputs):
+                        args, kwargs = split(value, shared)
+                    else:
+                        args, kwargs = (value,), shared
                     key = batch_key(prepare, args, kwargs)
                     if len(keys) > 1024:
                         keys.clear()
-                    keys[id(value)] = (value, key)
+                    keys[id(value)] = (value, key, args, kwargs)
             except Exception as error:
                 name_item(error, index, item)
                 raise

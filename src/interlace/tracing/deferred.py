@@ -125,6 +125,12 @@ class DeferredBody(_native.frames.DeferredBase):
         `send(None)`; it returns its final locals (pass them through `generator_locals`).
         The caller runs it in this trace's save state (`save.enter_body(body.state)` in
         the context it sends from). Only with the caller's globals (not a pickled tracer)."""
+        function, arguments = self.generator_start()
+        return function(*arguments)
+
+    def generator_start(self):
+        """`(function, arguments)`: `generator()` is `function(*arguments)`. A caller that
+        starts the body many times from one namespace (a sweep's items) keeps the pair."""
         block = self.block
         globals_ = self.globals
         namespace = self.namespace
@@ -144,7 +150,7 @@ class DeferredBody(_native.frames.DeferredBase):
                 code, globals_, code.co_name, (_locals, *DEFAULTS))
         self._code = function.__code__
         self._entry = namespace
-        return function(*map(namespace.__getitem__, params))
+        return function, tuple(map(namespace.__getitem__, params))
 
     @staticmethod
     def generator_locals(result: dict) -> dict:
@@ -153,6 +159,14 @@ class DeferredBody(_native.frames.DeferredBase):
         for name in GENERATOR_PARAMS:
             del result[name]
         return result
+
+    def generator_results(self, result: dict) -> dict:
+        """`results(generator_locals(result))` in one call (a sweep item's end)."""
+        del result[_LOCALS_PARAM]
+        for name in GENERATOR_PARAMS:
+            del result[name]
+        state = self.state
+        return _pick(result, self.block.assigned_names, None if state.depth else state.saved)
 
     def results(self, values: dict) -> dict:
         """What `push` writes of the body's final locals `values`: every name the body
