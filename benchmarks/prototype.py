@@ -213,6 +213,48 @@ class GeneratorPrototype(Contender):
             return (yield module)
         return lambda: tap.run([module], body, lambda: module(x))
 
+    def sweep_item(self, s, repeat, batch):
+        """A sweep as the generator route would run it with no engine: per item, the sweep's
+        body as a generator that yields the module it waits for and gets its own row; one
+        forward hook per patched block and one on the unembedding send each waiting item,
+        in batch order, its row of the output. The body's own torch ops run per item, as
+        interlace's do (the floor's run batched)."""
+        module, blocks, head = s.module, list(s.layers()), s.lm_head()
+        clean, corrupt, items = patching(s, repeat)
+
+        def body(item):
+            layer, pos = item
+            (yield blocks[layer])[:, pos] = clean[layer][:, pos]
+            logits = (yield head)[:, -1]
+            return logits[:, P.A] - logits[:, P.B]
+
+        def run():
+            out = []
+            for start in range(0, len(items), batch):
+                chunk = items[start:start + batch]
+                waiting = {m: [] for m in blocks + [head]}
+                done = [None] * len(chunk)
+                for row, item in enumerate(chunk):
+                    gen = body(item)
+                    waiting[next(gen)].append((row, gen))
+
+                def serve(m, args, output):
+                    ready, waiting[m] = waiting[m], []
+                    for row, gen in ready:
+                        try:
+                            waiting[gen.send(output[row:row + 1])].append((row, gen))
+                        except StopIteration as end:
+                            done[row] = end.value
+                handles = [m.register_forward_hook(serve) for m in waiting]
+                try:
+                    module(corrupt.expand(len(chunk), -1))
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                out.extend(done)
+            return torch.cat(out)
+        return run
+
 
 class _Read:
     """`.output` of one module for a generator body compiled by interlace's tracer core

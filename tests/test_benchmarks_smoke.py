@@ -139,6 +139,7 @@ def test_prototype_and_the_sweep_probe(run):
             assert row["prototype"]["agrees"] is True, (wname, label)
     (label, row), = w["sweep_item"]["cases"].items()
     assert label == "tiny, 256 items" and row["hooks"]["rounds"] >= 2
+    assert row["genproto"]["agrees"] is True  # the generator route's floor for sweeps
     per_item = w["sweep_item"]["per_item"]
     assert per_item["hooks"]["us"] > 0
     for name in {"prototype", "interlace", "twin", "baseline"} & set(results["contenders"]):

@@ -173,8 +173,7 @@ class SweepTracer(IterMixin, Tracer):
         engine = self._engine
         if engine is None:
             engine = self._engine = engine_of(self.model)
-        # (`Engine.running` without its call: a sweep's items never run an express run)
-        interleaver = engine._running if engine.express is None else engine.running
+        interleaver = engine.running
         mediator = None if interleaver is None else interleaver.current
         worker = None if mediator is None else mediator.worker
         # (`runs_here(mediator)`, inline for an item run as a generator: every item reads this)
