@@ -22,6 +22,8 @@ from interlace.errors import InterlaceError, OutOfOrderError
 from interlace.intervention import engine as engine_module
 from interlace.intervention import express, routes
 
+from .helpers import hooked
+
 pytestmark = pytest.mark.skipif(
     not (routes.ENABLED and express.ENABLED),
     reason="generator bodies or the express run are forced off (INTERLACE_GENERATORS=0, INTERLACE_EXPRESS=0)",
@@ -50,22 +52,16 @@ def runs(monkeypatch):
 def _hooked(gpt2, ids, paths, edit=None):
     """Outputs of the modules at `paths` (and the logits) by plain torch hooks; `edit`:
     {path: fn(output) -> replacement}."""
-    seen, handles = {}, []
+    seen, hooks = {}, {}
     for path in set(paths) | set(edit or {}):
-        module = gpt2.get_submodule(path)
-
         def hook(module, args, output, path=path):
             if edit and path in edit:
                 output = edit[path](output)
             seen[path] = output
             return output
-        handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = gpt2(ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
+        hooks[gpt2.get_submodule(path)] = hook
+    with torch.no_grad(), hooked(gpt2, output=hooks):
+        logits = gpt2(ids).logits
     return seen, logits
 
 

@@ -277,9 +277,7 @@ class GenWorker:
         try:
             return self.context.run(self.gen.send, payload)
         except StopIteration as end:
-            self.dead = True  # (`_ended`, inline: every body that returns ends here)
-            self.context.run(_exit_body, self.token)
-            mediator, self.mediator = self.mediator, None
+            mediator = self._ended()
             mediator.fn.finish(end.value)
             return DONE
         except GeneratorExit:

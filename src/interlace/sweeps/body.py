@@ -142,7 +142,7 @@ class ItemBody:
         state = self.state
         self.state = None
         body.state = state
-        self.saved = body.results(values) if plain else body.generator_results(values)
+        self.saved = body.results(values if plain else body.generator_locals(values))
         state.saved.clear()
         self.job.states.append(state)
 

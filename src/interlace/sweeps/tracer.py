@@ -19,7 +19,7 @@ from ..intervention.cache import make_cache
 from ..intervention.access import engine_of
 from ..intervention.grads import block_uses_backward
 from ..intervention.iteration import IterMixin
-from ..intervention.mediator import GenWorker, getcurrent, runs_here
+from ..intervention.mediator import runs_here
 from ..tracing import Backend, Tracer
 from ..tracing.generators import Ready
 from . import executors
@@ -175,10 +175,7 @@ class SweepTracer(IterMixin, Tracer):
             engine = self._engine = engine_of(self.model)
         interleaver = engine.running
         mediator = None if interleaver is None else interleaver.current
-        worker = None if mediator is None else mediator.worker
-        # (`runs_here(mediator)`, inline for an item run as a generator: every item reads this)
-        if (type(worker) is not GenWorker or not worker.gen.gi_running or worker.home is not getcurrent()) and (
-                mediator is None or not runs_here(mediator)):  # not the item's own code
+        if mediator is None or not runs_here(mediator):  # not the item's own code
             interleaver = engine.active()
             mediator = None if interleaver is None else interleaver.enclosing()
         if mediator is None:

@@ -160,14 +160,6 @@ class DeferredBody(_native.frames.DeferredBase):
             del result[name]
         return result
 
-    def generator_results(self, result: dict) -> dict:
-        """`results(generator_locals(result))` in one call (a sweep item's end)."""
-        del result[_LOCALS_PARAM]
-        for name in GENERATOR_PARAMS:
-            del result[name]
-        state = self.state
-        return _pick(result, self.block.assigned_names, None if state.depth else state.saved)
-
     def results(self, values: dict) -> dict:
         """What `push` writes of the body's final locals `values`: every name the body
         assigns when the trace is nested in another (the enclosing body goes on with them),
