@@ -17,6 +17,7 @@ mediator until `end()`.
 """
 
 cimport cython
+from cpython.ref cimport Py_DECREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 
 RELAXED = -1
@@ -297,6 +298,71 @@ cdef int release(MediatorCore mediator, list pool) except -1:
             and not worker.dead and not worker.single_use):
         pool.append(worker)
     return 0
+
+
+cdef extern from "Python.h":
+    ctypedef enum PySendResult:
+        PYGEN_RETURN
+        PYGEN_ERROR
+        PYGEN_NEXT
+    ctypedef struct PyObject
+    PySendResult PyIter_Send(object iterator, object arg, PyObject **presult)
+    int PyContext_Enter(object context) except -1
+    int PyContext_Exit(object context) except -1
+
+
+cdef class GenCore:
+    """A generator body's worker, in `mediator.worker` (`intervention.mediator.GenWorker`
+    subclasses it with the policy): `switch(payload)` sends `payload` into the body's
+    generator `gen`, run in its own contextvars `context` as a greenlet would run in its own,
+    and returns what the body yields (PARKED). When the body returns, `switch` returns
+    `self.returned(value)`; when it raises, `self.failed(error)` (GeneratorExit propagates).
+    The exchange resumes a GenCore by this C call, with no Python frame between the hook and
+    the body (`Context.run(gen.send, payload)` in a method, as the twin does, is one frame
+    and two calls more per resume: a sweep item resumes its body about three times).
+    """
+
+    cdef public object gen
+    cdef public object context
+    cdef public object token      # the body's save state entered in `context` (policy's)
+    cdef public object mediator
+    cdef public object home       # the greenlet that runs the model and resumes the body
+    cdef public bint dead
+
+    def switch(self, payload=None):
+        return self.c_switch(payload)
+
+    cdef object c_switch(self, payload):
+        cdef PyObject *out = NULL
+        cdef PySendResult sent
+        context = self.context
+        PyContext_Enter(context)
+        try:
+            sent = PyIter_Send(self.gen, payload, &out)
+        finally:
+            PyContext_Exit(context)
+        if sent == PYGEN_NEXT:
+            return _steal(out)
+        if sent == PYGEN_RETURN:
+            return self.returned(_steal(out))
+        try:
+            _raise_current()
+        except GeneratorExit:
+            raise
+        except BaseException as error:  # reported to the model side by the policy
+            return self.failed(error)
+
+
+cdef inline object _steal(PyObject *value):
+    # a new reference from C, owned by the returned object from now on
+    result = <object>value
+    Py_DECREF(result)
+    return result
+
+
+cdef inline int _raise_current() except -1:
+    # PyIter_Send returned PYGEN_ERROR: its error is set; `except -1` makes Cython raise it
+    return -1
 
 
 @cython.final
@@ -614,7 +680,10 @@ cdef class Exchange:
         try:
             if body_grad is not None and bool(body_grad) != model_grad:
                 self.set_grad_enabled(bool(body_grad))
-            return mediator.worker.switch(payload)
+            worker = mediator.worker
+            if isinstance(worker, GenCore):  # a generator body: resumed without a frame
+                return (<GenCore>worker).c_switch(payload)
+            return worker.switch(payload)
         finally:
             # Back on the model side: its grad mode again, whatever the body did.
             if bool(self.is_grad_enabled()) != model_grad:

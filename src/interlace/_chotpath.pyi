@@ -73,6 +73,15 @@ def configure(
     idle_workers: Callable[[], list],
 ) -> None: ...
 
+class GenCore:
+    gen: Any
+    context: Any
+    token: Any
+    mediator: Any
+    home: Any
+    dead: bool
+    def switch(self, payload: Any = None) -> Any: ...
+
 class Event:
     key: int
     occ: int

@@ -242,6 +242,30 @@ class MediatorCore:
             pool.append(worker)
 
 
+class GenCore:
+    """A generator body's worker, in `mediator.worker` (`intervention.mediator.GenWorker`
+    subclasses it with the policy): `switch(payload)` sends `payload` into the body's
+    generator `gen`, run in its own contextvars `context` as a greenlet would run in its own,
+    and returns what the body yields (PARKED). When the body returns, `switch` returns
+    `self.returned(value)`; when it raises, `self.failed(error)` (GeneratorExit propagates).
+    (The compiled exchange resumes one with no Python frame between the hook and the body.)
+    """
+
+    __slots__ = ("gen", "context", "token", "mediator", "home", "dead")
+
+    def switch(self, payload=None):
+        try:
+            return self.context.run(self.gen.send, payload)
+        except StopIteration as end:
+            return self.returned(end.value)
+        except GeneratorExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - reported to the model side by the policy
+            return self.failed(error)
+        finally:
+            payload = None
+
+
 class Event:
     """One happening of a location, as handed to bodies: its value may be replaced."""
 

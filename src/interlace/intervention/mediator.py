@@ -250,19 +250,19 @@ def runs_within(mediator) -> bool:
 
 # -- generator bodies (intervention/routes.py decides which body runs how) -----------------
 
-class GenWorker:
+class GenWorker(hotpath.GenCore):
     """A generator body's stand-in for a worker greenlet, in `mediator.worker`.
 
     The exchange resumes any body with `worker.switch(payload)`; here that sends `payload`
     into the body's generator (in the body's own contextvars context, as a greenlet has
-    its own) until it yields PARKED. When the body returns or raises, its job hears of it
-    (`fn.finish(values)`, `fn.ended_early(signal)`) and `switch` returns the outcome, as
-    `Mediator._job` would (DONE, FAILED); the worker is then `dead`. `parent` is what a
-    wait that is not a yield would switch to: a `StrayWait`, which refuses. Never pooled
-    (`single_use`): a generator runs once.
+    its own) until it yields PARKED (`hotpath.GenCore`, the mechanism). When the body returns
+    or raises, its job hears of it (`fn.finish(values)`, `fn.ended_early(signal)`) and
+    `switch` returns the outcome, as `Mediator._job` would (DONE, FAILED); the worker is then
+    `dead`. `parent` is what a wait that is not a yield would switch to: a `StrayWait`, which
+    refuses. Never pooled (`single_use`): a generator runs once.
     """
 
-    __slots__ = ("gen", "context", "token", "mediator", "home", "dead")
+    __slots__ = ()
     single_use = True
 
     def __init__(self, mediator, gen, state):
@@ -273,19 +273,17 @@ class GenWorker:
         self.home = getcurrent()  # the greenlet that runs the model, and resumes the body
         self.dead = False
 
-    def switch(self, payload=None):
+    def returned(self, values):
+        """`switch`'s end when the body returned its final locals `values`."""
+        self._ended().fn.finish(values)
+        return DONE
+
+    def failed(self, error):
+        """`switch`'s end when the body raised `error`."""
         try:
-            return self.context.run(self.gen.send, payload)
-        except StopIteration as end:
-            mediator = self._ended()
-            mediator.fn.finish(end.value)
-            return DONE
-        except GeneratorExit:
-            raise
-        except BaseException as error:  # noqa: BLE001 - reported to the model side
             return self._ended().raised(error)
         finally:
-            payload = None
+            error = None  # (no cycle through this frame's local: see `Mediator.received`)
 
     def _ended(self):
         self.dead = True
