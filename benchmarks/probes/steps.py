@@ -86,10 +86,12 @@ STEPS = [
     ("interlace.tracing.deferred", "DeferredBody.run"),
     ("interlace.tracing.tracer", "Tracer.push_result"),
     ("interlace.intervention.tracer", "InterleavingTracer.release"),
-    # the generator route's (routes.py): the body started, each read's send, its end
+    # the generator route's (routes.py): the body started, its end (each read's send is
+    # GenCore.switch, in the compiled extension: not wrappable)
     ("interlace.intervention.mediator", "GeneratorMediator.start"),
     ("interlace.intervention.mediator", "GenWorker.__init__"),
-    ("interlace.intervention.mediator", "GenWorker.switch"),
+    ("interlace.intervention.mediator", "GenWorker.returned"),
+    ("interlace.intervention.mediator", "GenWorker.failed"),
     ("interlace.intervention.mediator", "GenWorker._ended"),
     ("interlace.intervention.body", "BodyJob.generator"),
     ("interlace.intervention.body", "BodyJob.finish"),
