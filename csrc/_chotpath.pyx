@@ -17,7 +17,7 @@ mediator until `end()`.
 """
 
 cimport cython
-from cpython.ref cimport Py_DECREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 
 RELAXED = -1
@@ -365,6 +365,7 @@ cdef inline int _raise_current() except -1:
     return -1
 
 
+
 @cython.final
 cdef class Event:
     """One happening of a location, as handed to bodies: its value may be replaced."""
@@ -659,6 +660,24 @@ cdef class Exchange:
             return (<Event?>event).value
         return self.narrowed(event, mediator, key)
 
+    def reader(self, Py_ssize_t key):
+        """Body side, for a generator body: what its `yield from` runs to read location
+        `key` (`GenRead`) when the running body is a generator body on the model's greenlet
+        (the common case); else the run object's `generator_read(key)`, which serves or
+        refuses every other case."""
+        cdef GenRead read
+        mediator = self.current
+        if mediator is not None and self.getcurrent is not None:
+            worker = (<MediatorCore?>mediator).worker
+            if (isinstance(worker, GenCore) and (<GenCore>worker).gen.gi_running
+                    and (<GenCore>worker).home is self.getcurrent()):
+                read = GenRead.__new__(GenRead)
+                read.exchange = self
+                read.mediator = <MediatorCore>mediator
+                read.key = key
+                return read
+        return self.generator_read(key)
+
     def resume(self, MediatorCore mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
 
@@ -690,6 +709,96 @@ cdef class Exchange:
                 self.set_grad_enabled(model_grad)
             mediator.event = None
             self.current = None
+
+
+
+@cython.final
+cdef class GenRead:
+    """One read of location `key` by a generator body, as the iterator its `yield from` runs
+    (`Exchange.reader`): the request up to the park (`Exchange.prepare`), PARKED yielded
+    while the value is not there, then the value, narrowed to the body's rows by the run
+    object's `narrowed(event, mediator, key)`, returned (StopIteration). What the model side
+    sends instead of None goes through `mediator.received(payload)` (which raises it).
+    The Python generator it stands for (`Interleaver.generator_read`) is three frames and a
+    generator object per read, about 80 bytecodes of them its own."""
+
+    cdef Exchange exchange
+    cdef MediatorCore mediator
+    cdef Py_ssize_t key
+    cdef bint parked
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):  # (the type's slot is `_genread_next`, below: this is for Python)
+        return _return_or_yield(self, self.step(None))
+
+    def send(self, payload):
+        return _return_or_yield(self, self.step(payload))
+
+    cdef object step(self, payload):
+        # PARKED while the read waits (`mediator` kept), else the value read (`mediator` None)
+        cdef MediatorCore mediator = self.mediator
+        if mediator is None:
+            raise StopIteration  # (already returned)
+        if self.parked:
+            if payload is not None:
+                mediator.received(payload)  # raises the signal or error it is
+            event = mediator.event
+        else:
+            event = self.exchange.c_prepare(mediator, self.key)
+            if event is None:
+                self.parked = True
+                return PARKED
+        exchange, self.exchange, self.mediator = self.exchange, None, None
+        if mediator.rows is None:
+            return (<Event?>event).value
+        return exchange.narrowed(event, mediator, self.key)
+
+
+cdef extern from *:
+    """
+    /* Set StopIteration carrying `value`, as a generator's `return value` does (a tuple or
+       an exception is wrapped in an instance, else it would be taken for the arguments). */
+    static void ilh_set_return(PyObject *value) {
+        if (PyTuple_Check(value) || PyExceptionInstance_Check(value)) {
+            PyObject *stop = PyObject_CallOneArg(PyExc_StopIteration, value);
+            if (stop == NULL) return;
+            PyErr_SetObject(PyExc_StopIteration, stop);
+            Py_DECREF(stop);
+        } else {
+            PyErr_SetObject(PyExc_StopIteration, value);
+        }
+    }
+    """
+    void ilh_set_return(object value)
+    ctypedef PyObject *(*iternextfunc)(PyObject *) except NULL
+    ctypedef struct _TypeSlots "PyTypeObject":
+        iternextfunc tp_iternext
+
+
+cdef object _return_or_yield(GenRead read, value):
+    # `step`'s result as `__next__`/`send` give it to Python: a yield, or the read's return
+    if read.mediator is not None:
+        return value
+    raise StopIteration(value)
+
+
+cdef PyObject *_genread_next(PyObject *self) except NULL:
+    # GenRead's tp_iternext (what `yield from` calls on each resume with None): `step`, its
+    # return set as StopIteration by hand. (Raised from Cython, the StopIteration would get
+    # a traceback entry made for it on every read: a code object and frame, several
+    # thousand instructions.) An error of `step` propagates as Cython's do.
+    cdef GenRead read = <GenRead>self
+    value = read.step(None)
+    if read.mediator is not None:
+        Py_INCREF(value)
+        return <PyObject *>value
+    ilh_set_return(value)
+    return NULL
+
+
+(<_TypeSlots *>GenRead).tp_iternext = _genread_next
 
 
 @cython.final

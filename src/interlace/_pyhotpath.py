@@ -493,6 +493,18 @@ class Exchange:
             return event.value
         return self.narrowed(event, mediator, key)
 
+    def reader(self, key):
+        """Body side, for a generator body: what its `yield from` runs to read location
+        `key` (`GenRead`) when the running body is a generator body on the model's greenlet
+        (the common case); else the run object's `generator_read(key)`, which serves or
+        refuses every other case."""
+        mediator = self.current
+        if mediator is not None and self.getcurrent is not None:
+            worker = mediator.worker
+            if isinstance(worker, GenCore) and worker.gen.gi_running and worker.home is self.getcurrent():
+                return GenRead(self, mediator, key)
+        return self.generator_read(key)
+
     def resume(self, mediator, event, payload=None):
         """Switch to `mediator`'s body with `payload` until it pauses; returns its message.
 
@@ -567,6 +579,46 @@ def _wait(mediator):
         return mediator.received(payload)
     finally:
         payload = None  # an error raised here has this frame in its traceback: no cycle
+
+
+class GenRead:
+    """One read of location `key` by a generator body, as the iterator its `yield from` runs
+    (`Exchange.reader`): the request up to the park (`Exchange.prepare`), PARKED yielded
+    while the value is not there, then the value, narrowed to the body's rows by the run
+    object's `narrowed(event, mediator, key)`, returned (StopIteration). What the model side
+    sends instead of None goes through `mediator.received(payload)` (which raises it)."""
+
+    __slots__ = ("exchange", "mediator", "key", "parked")
+
+    def __init__(self, exchange, mediator, key):
+        self.exchange = exchange
+        self.mediator = mediator
+        self.key = key
+        self.parked = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.send(None)
+
+    def send(self, payload):
+        mediator = self.mediator
+        if mediator is None:
+            raise StopIteration  # (already returned)
+        if self.parked:
+            if payload is not None:
+                mediator.received(payload)  # raises the signal or error it is
+            event = mediator.event
+        else:
+            event = _prepare(self.exchange, mediator, self.key)
+            if event is None:
+                self.parked = True
+                return PARKED
+        exchange, self.exchange, self.mediator = self.exchange, None, None
+        if mediator.rows is None:
+            raise StopIteration(event.value)
+        raise StopIteration(exchange.narrowed(event, mediator, self.key))
 
 
 class Hook:

@@ -5,6 +5,7 @@ No interleaver here: bodies are plain functions on real greenlets, parked by han
 torch hooks doing the same edit, and against what a body observed while it ran.
 """
 
+import contextvars
 import importlib
 import threading
 
@@ -588,3 +589,63 @@ def test_a_body_that_ends_goes_back_to_the_pool_without_a_message(hp):
         else:
             assert h.messages == [] and body.finished and body.worker is None
             assert pool == [worker] or (worker.dead and pool == [])
+
+
+def test_a_generator_bodys_reads_park_by_yielding_and_return_its_rows(hp):
+    """`reader(key)` in a generator body resumed through a `GenCore` worker: each read
+    parks by yielding (the policy installs), returns its rows through `narrowed` (a tuple
+    stays a tuple), an error the model side sends is raised at the read and reaches the
+    worker's `failed`; outside a generator body, `reader` is the run's `generator_read`."""
+    calls = []
+    run = _policy_exchange(hp, calls)
+    run.generator_read = lambda key: calls.append(("generator_read", key)) or iter(())
+    hub = hp.Hub(4, 0, None, None, True)
+    run.begin(hub, threading.get_ident())
+    ends = []
+
+    class Body(hp.MediatorCore):
+        __slots__ = ()
+
+        def received(self, payload):
+            raise payload
+
+    class Worker(hp.GenCore):
+        def returned(self, value):
+            ends.append(("returned", value))
+            return hp.DONE
+
+        def failed(self, error):
+            ends.append(("failed", error))
+            return hp.FAILED
+
+    def start(gen):
+        me = Body(None, 0, slice(1, 2))
+        worker = me.worker = Worker()
+        worker.gen, worker.context, worker.home = gen, contextvars.copy_context(), greenlet.getcurrent()
+        run.current = None
+        assert run.resume(me, None) == hp.PARKED
+        return me
+
+    def body():
+        first = yield from run.reader(3)
+        second = yield from run.reader(1)
+        return first, second
+
+    start(body())
+    assert calls == [("install", 3)]
+    value, pair = torch.arange(4.0), (10, 11, 12, 13)
+    assert run.hook_event(3, False, (), value) is None  # the body reads it, then waits for 1
+    assert calls[1:] == [("narrowed", 3, slice(1, 2)), ("install", 1)]
+    assert run.hook_event(1, False, (), pair) is None
+    (how, (first, second)), = ends
+    assert how == "returned" and torch.equal(first, value[1:2]) and second == (11,)
+
+    def waits():
+        yield from run.reader(2)
+
+    me = start(waits())
+    assert run.resume(me, None, KeyError("sent by the model side")) == hp.FAILED
+    assert ends[-1][0] == "failed" and isinstance(ends[-1][1], KeyError)
+
+    run.current = None
+    assert list(run.reader(0)) == [] and calls[-1] == ("generator_read", 0)

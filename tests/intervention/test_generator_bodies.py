@@ -448,3 +448,57 @@ def test_a_trace_run_inside_the_forward_while_a_generator_body_waits(mlp_model, 
         assert torch.allclose(outer_module.seen, inner_model._module[0](first))
         assert torch.allclose(last, outer_module(x6))
     assert kinds == ["AuditMediator", "GeneratorMediator", "GeneratorMediator"]
+
+
+class _Pair(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, x + 1
+
+
+class _Mapping(torch.nn.Module):
+    def forward(self, x):
+        return {"out": x - 3}
+
+
+class _Outputs(torch.nn.Module):
+    """Children whose outputs are a tuple, a tensor and a dict: what a read returns as
+    `yield from`'s value (natively the compiled read iterator's StopIteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pair = _Pair()
+        self.plain = torch.nn.Linear(3, 3)
+        self.mapping = _Mapping()
+
+    def forward(self, x):
+        a, b = self.pair(x)
+        return self.mapping(self.plain(a + b))["out"]
+
+
+def test_a_sweep_items_reads_return_tuples_tensors_and_dicts_as_hooks_see_them():
+    torch.manual_seed(0)
+    net = _Outputs()
+    x = torch.randn(1, 3)
+    seen = {}
+    handles = [getattr(net, name).register_forward_hook(lambda m, a, o, name=name: seen.setdefault(name, o))
+               for name in ("pair", "plain", "mapping")]
+    try:
+        with torch.no_grad():
+            net(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    model = interlace.Model(net)
+    for _ in range(2):  # the second run is the site's generator run
+        with torch.no_grad(), model.sweep([0, 1, 2], input=x, batch_size=2, progress=False) as sweep:
+            kind = interlace.save(_kind(model))
+            pair = model.pair.output
+            plain = model.plain.output
+            mapping = model.mapping.output
+            got = interlace.save((pair, plain, mapping))
+    assert set(kind) == {"GeneratorMediator"}
+    for pair, plain, mapping in got:
+        assert type(pair) is tuple and len(pair) == 2
+        assert torch.equal(pair[0], seen["pair"][0]) and torch.equal(pair[1], seen["pair"][1])
+        assert torch.equal(plain, seen["plain"])
+        assert set(mapping) == {"out"} and torch.equal(mapping["out"], seen["mapping"]["out"])

@@ -336,7 +336,7 @@ class Envoy:
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             return Ready(getattr(self, name))
         if name == "output":
-            return interleaver.generator_read(2 * fields["_index"] + 1)
+            return interleaver.reader(2 * fields["_index"] + 1)  # (hotpath.Exchange.reader)
         return self._inputs_read(interleaver, name)
 
     def _inputs_read(self, interleaver, name):

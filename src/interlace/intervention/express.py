@@ -235,6 +235,8 @@ class Express:
             return (yield from interleaver.generator_read(key))
         return (yield from interleaver.generator_read(key, value))
 
+    reader = generator_read  # (`hotpath.Exchange.reader`'s place: the Envoy's `.output`)
+
     def generator_write(self, key, value):
         """`Interleaver.generator_write` while this run serves the body."""
         return self.generator_read(key, value)
