@@ -212,18 +212,26 @@ cdef object _is_grad_enabled = None
 cdef object _set_grad_enabled = None
 cdef object _new_worker = None
 cdef object _idle_workers = None
+cdef object _enter_body = None
+cdef object _exit_body = None
 
 
-def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers):
+def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers,
+              enter_body=None, exit_body=None):
     """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
     and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
-    `idle_workers()` (this thread's pool, when `start` is given none)."""
+    `idle_workers()` (this thread's pool, when `start` is given none); and what a `GenCore`
+    calls to enter a body's save state and leave it: `enter_body(state) -> token`,
+    `exit_body(token)`."""
     global _getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, _idle_workers
+    global _enter_body, _exit_body
     _getcurrent = getcurrent
     _is_grad_enabled = is_grad_enabled
     _set_grad_enabled = set_grad_enabled
     _new_worker = new_worker
     _idle_workers = idle_workers
+    _enter_body = enter_body
+    _exit_body = exit_body
 
 
 cdef class MediatorCore:
@@ -283,6 +291,22 @@ cdef class MediatorCore:
             release(self, pool)
         return message
 
+    def start_generator(self, GenCore worker not None, list pool=None):
+        """`start` for a generator body: `worker` (made for it) runs the body until its first
+        request (or its end); returns its message. Grad modes as `start`'s; an ended body is
+        released to `pool`."""
+        self.worker = worker
+        model_grad = _is_grad_enabled()
+        self.body_grad = model_grad
+        try:
+            message = worker.c_switch(None)
+        finally:
+            if _is_grad_enabled() != model_grad:
+                _set_grad_enabled(model_grad)
+        if message == 2 or message == 3:  # DONE, FAILED
+            release(self, pool)
+        return message
+
     def release(self, list pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
         workers) unless the worker is dead, single-use, or the pool holds POOL_MAX already."""
@@ -307,6 +331,7 @@ cdef extern from "Python.h":
         PYGEN_NEXT
     ctypedef struct PyObject
     PySendResult PyIter_Send(object iterator, object arg, PyObject **presult)
+    object PyContext_CopyCurrent()
     int PyContext_Enter(object context) except -1
     int PyContext_Exit(object context) except -1
 
@@ -315,8 +340,9 @@ cdef class GenCore:
     """A generator body's worker, in `mediator.worker` (`intervention.mediator.GenWorker`
     subclasses it with the policy): `switch(payload)` sends `payload` into the body's
     generator `gen`, run in its own contextvars `context` as a greenlet would run in its own,
-    and returns what the body yields (PARKED). When the body returns, `switch` returns
-    `self.returned(value)`; when it raises, `self.failed(error)` (GeneratorExit propagates).
+    and returns what the body yields (PARKED). When the body returns, `switch` ends it
+    (`end()`) and returns `self.returned(value)`; when it raises, `self.failed(error)`
+    (GeneratorExit propagates).
     The exchange resumes a GenCore by this C call, with no Python frame between the hook and
     the body (`Context.run(gen.send, payload)` in a method, as the twin does, is one frame
     and two calls more per resume: a sweep item resumes its body about three times).
@@ -328,6 +354,39 @@ cdef class GenCore:
     cdef public object mediator
     cdef public object home       # the greenlet that runs the model and resumes the body
     cdef public bint dead
+
+    def __init__(self, mediator=None, gen=None, state=None):
+        """With `gen`: the body's `context` is a copy of the caller's, its save state `state`
+        entered there (`enter_body`, see `configure`), `home` the calling greenlet."""
+        self.mediator = mediator
+        self.gen = gen
+        self.dead = False
+        if gen is not None:
+            context = self.context = PyContext_CopyCurrent()
+            PyContext_Enter(context)
+            try:
+                self.token = _enter_body(state)
+            finally:
+                PyContext_Exit(context)
+            self.home = _getcurrent()
+
+    def end(self):
+        """The body is over: `dead`, and its save state left (`exit_body`, in its context).
+        `switch` does it before `returned`/`failed`."""
+        self.c_end()
+
+    cdef int c_end(self) except -1:
+        self.dead = True
+        token = self.token
+        if token is not None:
+            self.token = None
+            context = self.context
+            PyContext_Enter(context)
+            try:
+                _exit_body(token)
+            finally:
+                PyContext_Exit(context)
+        return 0
 
     def switch(self, payload=None):
         return self.c_switch(payload)
@@ -344,12 +403,15 @@ cdef class GenCore:
         if sent == PYGEN_NEXT:
             return _steal(out)
         if sent == PYGEN_RETURN:
-            return self.returned(_steal(out))
+            value = _steal(out)
+            self.c_end()
+            return self.returned(value)
         try:
             _raise_current()
         except GeneratorExit:
             raise
         except BaseException as error:  # reported to the model side by the policy
+            self.c_end()
             return self.failed(error)
 
 
@@ -423,12 +485,21 @@ cdef class Exchange:
     cdef public Taps tapper          # sets the Taps of requests (None: all go to the policy)
     cdef public list pool            # set: a body that ends is released to it, no `message`
     cdef bytearray routes            # per key: non-zero sends its events to `routed`
+    # A batched read's common case, taken here without calling `narrowed`: a value of exactly
+    # `row_type` (the run's tensor type; None: never) in a run without `backward`, whose batch
+    # axis `axes` (the run's cache, (key, shape) -> axis) holds as 0 is `value[rows]`.
+    cdef public object row_type
+    cdef public object axes
+    cdef public bint backward
     cdef object is_grad_enabled
     cdef object set_grad_enabled
     cdef object getcurrent
 
     def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None,
                  getcurrent=None):
+        self.row_type = None
+        self.axes = None
+        self.backward = False
         self.is_grad_enabled = is_grad_enabled
         self.set_grad_enabled = set_grad_enabled
         self.getcurrent = getcurrent
@@ -658,6 +729,17 @@ cdef class Exchange:
         event = self.c_request(mediator, key)
         if mediator.rows is None:
             return (<Event?>event).value
+        return self.c_narrowed(<Event?>event, mediator, key)
+
+    cdef object c_narrowed(self, Event event, MediatorCore mediator, Py_ssize_t key):
+        # `mediator`'s rows of `event`'s value: the common case (see `row_type`) here, else
+        # the run object's `narrowed(event, mediator, key)`, the policy
+        value = event.value
+        if (self.row_type is not None and type(value) is self.row_type and not self.backward
+                and type(self.axes) is dict):
+            axis = (<dict>self.axes).get((key, value.shape))
+            if axis is not None and axis == 0:
+                return value[mediator.rows]
         return self.narrowed(event, mediator, key)
 
     def reader(self, Py_ssize_t key):
@@ -753,7 +835,7 @@ cdef class GenRead:
         exchange, self.exchange, self.mediator = self.exchange, None, None
         if mediator.rows is None:
             return (<Event?>event).value
-        return exchange.narrowed(event, mediator, self.key)
+        return exchange.c_narrowed(<Event?>event, mediator, self.key)
 
 
 cdef extern from *:

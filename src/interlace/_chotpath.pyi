@@ -63,6 +63,7 @@ class MediatorCore:
     parks: int
     def __init__(self, fn: Any = None, index: int = 0, rows: Any = None, label: Any = "trace body") -> None: ...
     def start(self, pool: Optional[list] = None) -> Any: ...
+    def start_generator(self, worker: GenCore, pool: Optional[list] = None) -> Any: ...
     def release(self, pool: Optional[list]) -> None: ...
 
 def configure(
@@ -71,6 +72,8 @@ def configure(
     set_grad_enabled: Callable[[bool], Any],
     new_worker: Callable[[], Any],
     idle_workers: Callable[[], list],
+    enter_body: Optional[Callable[[Any], Any]] = None,
+    exit_body: Optional[Callable[[Any], Any]] = None,
 ) -> None: ...
 
 class GenCore:
@@ -80,6 +83,8 @@ class GenCore:
     mediator: Any
     home: Any
     dead: bool
+    def __init__(self, mediator: Any = None, gen: Any = None, state: Any = None) -> None: ...
+    def end(self) -> None: ...
     def switch(self, payload: Any = None) -> Any: ...
 
 class GenRead:
@@ -106,6 +111,9 @@ class Exchange:
     root_call: bool
     tapper: Optional[Taps]
     pool: Optional[list]
+    row_type: Optional[type]
+    axes: Optional[dict]
+    backward: bool
     def __init__(
         self,
         is_grad_enabled: Callable[[], bool],

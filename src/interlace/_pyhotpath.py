@@ -13,6 +13,7 @@ location so far follows from the position of the last observed one.
 """
 
 from _thread import get_ident
+from _contextvars import copy_context
 from _functools import partial  # (functools itself costs an import)
 
 RELAXED = -1
@@ -177,13 +178,16 @@ def _invoke_order(mediator):
 _configured = {}  # what MediatorCore.start calls (`configure`)
 
 
-def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers):
+def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers,
+              enter_body=None, exit_body=None):
     """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
     and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
-    `idle_workers()` (this thread's pool, when `start` is given none)."""
+    `idle_workers()` (this thread's pool, when `start` is given none); and what a `GenCore`
+    calls to enter a body's save state and leave it: `enter_body(state) -> token`,
+    `exit_body(token)`."""
     _configured.update(getcurrent=getcurrent, is_grad_enabled=is_grad_enabled,
                        set_grad_enabled=set_grad_enabled, new_worker=new_worker,
-                       idle_workers=idle_workers)
+                       idle_workers=idle_workers, enter_body=enter_body, exit_body=exit_body)
 
 
 class MediatorCore:
@@ -231,6 +235,25 @@ class MediatorCore:
             self.release(pool)
         return message
 
+    def start_generator(self, worker, pool=None):
+        """`start` for a generator body: `worker` (made for it) runs the body until its first
+        request (or its end); returns its message. Grad modes as `start`'s; an ended body is
+        released to `pool`."""
+        if not isinstance(worker, GenCore):
+            raise TypeError(f"Argument 'worker' has incorrect type (expected "
+                            f"{__name__}.GenCore, got {type(worker).__name__})")
+        c = _configured
+        self.worker = worker
+        model_grad = self.body_grad = c["is_grad_enabled"]()
+        try:
+            message = worker.switch(None)
+        finally:
+            if c["is_grad_enabled"]() != model_grad:
+                c["set_grad_enabled"](model_grad)
+        if message == DONE or message == FAILED:
+            self.release(pool)
+        return message
+
     def release(self, pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
         workers) unless the worker is dead, single-use, or the pool holds POOL_MAX already."""
@@ -246,21 +269,45 @@ class GenCore:
     """A generator body's worker, in `mediator.worker` (`intervention.mediator.GenWorker`
     subclasses it with the policy): `switch(payload)` sends `payload` into the body's
     generator `gen`, run in its own contextvars `context` as a greenlet would run in its own,
-    and returns what the body yields (PARKED). When the body returns, `switch` returns
-    `self.returned(value)`; when it raises, `self.failed(error)` (GeneratorExit propagates).
+    and returns what the body yields (PARKED). When the body returns, `switch` ends it
+    (`end()`) and returns `self.returned(value)`; when it raises, `self.failed(error)`
+    (GeneratorExit propagates).
     (The compiled exchange resumes one with no Python frame between the hook and the body.)
     """
 
     __slots__ = ("gen", "context", "token", "mediator", "home", "dead")
 
+    def __init__(self, mediator=None, gen=None, state=None):
+        """With `gen`: the body's `context` is a copy of the caller's, its save state `state`
+        entered there (`enter_body`, see `configure`), `home` the calling greenlet."""
+        self.mediator = mediator
+        self.gen = gen
+        self.dead = False
+        self.token = self.context = self.home = None
+        if gen is not None:
+            context = self.context = copy_context()
+            self.token = context.run(_configured["enter_body"], state)
+            self.home = _configured["getcurrent"]()
+
+    def end(self):
+        """The body is over: `dead`, and its save state left (`exit_body`, in its context).
+        `switch` does it before `returned`/`failed`."""
+        self.dead = True
+        token = self.token
+        if token is not None:
+            self.token = None
+            self.context.run(_configured["exit_body"], token)
+
     def switch(self, payload=None):
         try:
             return self.context.run(self.gen.send, payload)
         except StopIteration as end:
+            self.end()
             return self.returned(end.value)
         except GeneratorExit:
             raise
         except BaseException as error:  # noqa: BLE001 - reported to the model side by the policy
+            self.end()
             return self.failed(error)
         finally:
             payload = None
@@ -305,11 +352,18 @@ class Exchange:
     """
 
     __slots__ = ("hub", "current", "bypass", "thread", "routed", "message", "paused",
-                 "done", "root_call", "tapper", "pool", "routes", "is_grad_enabled",
-                 "set_grad_enabled", "getcurrent")
+                 "done", "root_call", "tapper", "pool", "routes", "row_type", "axes",
+                 "backward", "is_grad_enabled", "set_grad_enabled", "getcurrent")
 
     def __init__(self, is_grad_enabled, set_grad_enabled, routed=None, message=None,
                  getcurrent=None):
+        # A batched read's common case, taken here without calling `narrowed`: a value of
+        # exactly `row_type` (the run's tensor type; None: never) in a run without
+        # `backward`, whose batch axis `axes` (the run's cache, (key, shape) -> axis) holds
+        # as 0 is `value[rows]`.
+        self.row_type = None
+        self.axes = None
+        self.backward = False
         self.is_grad_enabled = is_grad_enabled
         self.set_grad_enabled = set_grad_enabled
         self.getcurrent = getcurrent
@@ -491,7 +545,7 @@ class Exchange:
         event = _request(self, mediator, key)
         if mediator.rows is None:
             return event.value
-        return self.narrowed(event, mediator, key)
+        return _narrowed(self, event, mediator, key)
 
     def reader(self, key):
         """Body side, for a generator body: what its `yield from` runs to read location
@@ -618,7 +672,19 @@ class GenRead:
         exchange, self.exchange, self.mediator = self.exchange, None, None
         if mediator.rows is None:
             raise StopIteration(event.value)
-        raise StopIteration(exchange.narrowed(event, mediator, self.key))
+        raise StopIteration(_narrowed(exchange, event, mediator, self.key))
+
+
+def _narrowed(exchange, event, mediator, key):
+    """`mediator`'s rows of `event`'s value: the common case (see `Exchange.row_type`) here,
+    else the run object's `narrowed(event, mediator, key)`, the policy."""
+    value = event.value
+    if (exchange.row_type is not None and type(value) is exchange.row_type
+            and not exchange.backward and type(exchange.axes) is dict):
+        axis = exchange.axes.get((key, value.shape))
+        if axis is not None and axis == 0:
+            return value[mediator.rows]
+    return exchange.narrowed(event, mediator, key)
 
 
 class Hook:

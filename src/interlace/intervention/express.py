@@ -396,11 +396,8 @@ class Express:
         `GenWorker.switch` and `GeneratorMediator.raised` map it."""
         worker = self.worker
         if worker is not None:  # handed over: the general run's mediator hears of it
-            mediator = worker._ended()
-            if error is None:
-                mediator.fn.finish(values)
-                return DONE
-            return mediator.raised(error)
+            worker.end()  # (as `GenWorker.switch` ends it)
+            return worker.returned(values) if error is None else worker.failed(error)
         self.dead = True
         self.context.run(_exit_body, self.token)
         try:

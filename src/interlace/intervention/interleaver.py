@@ -38,7 +38,6 @@ from .mediator import (
     PARKED,
     STOPPED,
     GeneratorMediator,
-    GenWorker,
     IterationCutShort,
     Mediator,
     StopSignal,
@@ -80,13 +79,16 @@ class Interleaver(hotpath.Exchange):
     # made every store about 3x slower on 3.11, measured). The exchange's fields are its own.
     __slots__ = (
         "state", "mediators", "handles", "taps", "tapped", "overrides", "skips", "cut_short",
-        "extensions", "cleanups", "observers", "participants", "backward", "serving", "total",
+        "extensions", "cleanups", "observers", "participants", "serving", "total",
         "stopped", "failure", "stopper", "last_write", "shared", "skipped", "reusable",
-        "layouts", "learner", "dim", "copies", "axes", "expanded", "model_failed", "together",
+        "layouts", "learner", "dim", "copies", "expanded", "model_failed", "together",
     )
 
     def __init__(self, state):
         super().__init__(_is_grad_enabled, _set_grad_enabled, getcurrent=getcurrent)
+        # `backward` and `axes` (below) are the exchange's fields too: with `row_type`, the
+        # compiled read takes `narrowed`'s common case itself
+        self.row_type = Tensor
         self.state = state  # the model's ModelState (locations, learned order)
         # Containers a run fills; its teardown leaves them empty (the engine reuses this
         # object for the model's next run, see `reset`).
@@ -677,12 +679,7 @@ class Interleaver(hotpath.Exchange):
         """`read(key)` for a body running as a generator (or its audit): a generator that
         yields PARKED while the value is not there yet, and returns it; with `value`,
         `write(key, value)` the same way (see `generator_write`)."""
-        mediator = self.current
-        worker = None if mediator is None else mediator.worker
-        # (`runs_here(mediator)`, inline for a generator body: a read's most common check)
-        if type(worker) is not GenWorker or not worker.gen.gi_running or worker.home is not getcurrent():
-            if mediator is None or not runs_here(mediator):
-                mediator = self.mediator(key)  # raises: not the running body
+        mediator = self.mediator(key)  # (raises: not the running body)
         event = self.prepare(mediator, key)
         if event is None:
             payload = yield PARKED
@@ -692,14 +689,9 @@ class Interleaver(hotpath.Exchange):
         if value is not _READ:
             self._written(mediator, event, key, value)
             return None
-        rows = mediator.rows
-        if rows is None:
+        if mediator.rows is None:
             return event.value
-        value = event.value
-        # `narrowed`'s common case inline (every read of every sweep item): see there
-        if type(value) is Tensor and not self.backward and self.axes.get((key, value.shape)) == 0:
-            return value[rows]
-        return self._part(event, mediator, key)
+        return self.narrowed(event, mediator, key)
 
     def generator_write(self, key, value):
         """`write(key, value)` for a body running as a generator (see `generator_read`)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextvars import copy_context
 from functools import partial
 
 import torch
@@ -265,31 +264,24 @@ class GenWorker(hotpath.GenCore):
     __slots__ = ()
     single_use = True
 
-    def __init__(self, mediator, gen, state):
-        self.gen = gen
-        context = self.context = copy_context()  # the body's contextvars are its own
-        self.token = context.run(_enter_body, state)  # `.save()` saves into `state` there
-        self.mediator = mediator  # (dropped when the body ends: no cycle left)
-        self.home = getcurrent()  # the greenlet that runs the model, and resumes the body
-        self.dead = False
+    # `GenWorker(mediator, gen, state)`: GenCore's; its context is a copy of the caller's, with
+    # the body's save state `state` entered there (`.save()` saves into it), its `home` the
+    # greenlet that runs the model, and resumes the body. It ends the body (`end()`: `dead`, the
+    # save state left) before `returned`/`failed`.
 
     def returned(self, values):
         """`switch`'s end when the body returned its final locals `values`."""
-        self._ended().fn.finish(values)
+        mediator, self.mediator = self.mediator, None  # (no cycle left)
+        mediator.fn.finish(values)
         return DONE
 
     def failed(self, error):
         """`switch`'s end when the body raised `error`."""
+        mediator, self.mediator = self.mediator, None
         try:
-            return self._ended().raised(error)
+            return mediator.raised(error)
         finally:
             error = None  # (no cycle through this frame's local: see `Mediator.received`)
-
-    def _ended(self):
-        self.dead = True
-        self.context.run(_exit_body, self.token)
-        mediator, self.mediator = self.mediator, None
-        return mediator
 
     def close(self):
         """Drop a body that would not end: its generator is closed, its save state left."""
@@ -358,16 +350,7 @@ class GeneratorMediator(Mediator):
 
     def start(self, pool=None):
         gen, state = self.fn.generator()
-        worker = self.worker = GenWorker(self, gen, state)
-        model_grad = self.body_grad = _is_grad_enabled()
-        try:
-            message = worker.switch(None)
-        finally:
-            if _is_grad_enabled() != model_grad:
-                _set_grad_enabled(model_grad)
-        if message == DONE or message == FAILED:
-            self.release(pool)
-        return message
+        return self.start_generator(GenWorker(self, gen, state), pool)
 
     def cancel(self):
         worker = self.worker
@@ -436,4 +419,5 @@ class AuditMediator(Mediator):
         return frame if frame is not None else super().paused_frame()
 
 
-hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers)
+hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers,
+                  _enter_body, _exit_body)

@@ -136,18 +136,20 @@ class ItemBody:
             start = job.generator_start = body.generator_start()
         return start[0](*start[1]), state
 
-    def finish(self, values, plain=False):
-        # (`__call__`'s `finally` does the same inline: a Python call per item less there)
+    def finish(self, values):
+        # (`__call__`'s `finally` does the same inline: a Python call per item less there.)
+        # `values` are the generator's final locals: its hidden parameters are among them,
+        # but `results` picks only names the body assigns, so they need not be dropped.
         body = self.job.body
         state = self.state
         self.state = None
         body.state = state
-        self.saved = body.results(values if plain else body.generator_locals(values))
+        self.saved = body.results(values)
         state.saved.clear()
         self.job.states.append(state)
 
     def ended_early(self, signal):
-        self.finish(self.job.body.locals_at(signal), plain=True)
+        self.finish(self.job.body.locals_at(signal))
 
     def failed(self, error):
         if isinstance(error, Exception):
