@@ -202,6 +202,25 @@ def pick(values, names, saved=None):
     return ilc_pick(values, names, saved)
 
 
+cdef class Reader:
+    """`reader(obj, name)`: `type(obj).<method>(obj, name)` when the type has `method`, else
+    `fallback(obj, name)`. A generator body's attribute read (tracing/generators.py), called
+    for every read there: one C call, no Python frame."""
+
+    cdef object method
+    cdef object fallback
+
+    def __init__(self, str method, fallback):
+        self.method = method
+        self.fallback = fallback
+
+    def __call__(self, obj, name):
+        serve = getattr(type(obj), self.method, None)
+        if serve is None:
+            return self.fallback(obj, name)
+        return serve(obj, name)
+
+
 def _forget_starts(ref, key):
     """A monitored code object went: drop its entry (unless a new one has its id)."""
     entry = _starts.get(key)

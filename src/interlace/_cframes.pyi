@@ -103,6 +103,13 @@ def call_bound(function: Any, namespace: Mapping[str, Any], params: tuple[str, .
 def pick(values: Mapping[str, Any], names: Iterable[str], saved: dict[int, Any] | None = None) -> dict[str, Any]:
     """The names of `names` in values whose value is saved (by identity; all if saved is None)."""
 
+class Reader:
+    """`reader(obj, name)`: `type(obj).<method>(obj, name)` when the type has `method`, else
+    `fallback(obj, name)` (a generator body's attribute read; compiled: no Python frame)."""
+
+    def __init__(self, method: str, fallback: Any) -> None: ...
+    def __call__(self, obj: Any, name: str) -> Any: ...
+
 def tracer_methods(
     cls: type,
     enter: Any,

@@ -396,6 +396,26 @@ def pick(values, names, saved=None):
     return out
 
 
+class Reader:
+    """`reader(obj, name)`: `type(obj).<method>(obj, name)` when the type has `method`, else
+    `fallback(obj, name)`. A generator body's attribute read (tracing/generators.py), called
+    for every read there (compiled: one C call, no Python frame)."""
+
+    __slots__ = ("method", "fallback")
+
+    def __init__(self, method, fallback):
+        if type(method) is not str:
+            raise TypeError(f"Argument 'method' has incorrect type (expected str, got {type(method).__name__})")
+        self.method = method
+        self.fallback = fallback
+
+    def __call__(self, obj, name):
+        serve = getattr(type(obj), self.method, None)
+        if serve is None:
+            return self.fallback(obj, name)
+        return serve(obj, name)
+
+
 # -- a trace's per-trace steps (C in the compiled module: no Python frame there) -------------
 class TraceState:
     """One trace's save set and nesting depth.

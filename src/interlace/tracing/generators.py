@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast  # (imported once a body is captured: `import interlace` loads no parser)
 import copy
 
+from .._native import frames
 from .block import GENERATOR_PARAMS
 
 READ_PARAM, WRITE_PARAM = HIDDEN = GENERATOR_PARAMS
@@ -308,14 +309,15 @@ def rewrite(module):
     return ast.fix_missing_locations(module), rewriter.points
 
 
-def read(obj, name):
-    """`obj.<name>` in a generator body, as what the body's `yield from` runs: the iterator
-    `type(obj).__interlace_read__(obj, name)` returns (it yields while the value is not
-    there yet, and returns it), else the value read at once (`Ready`)."""
-    serve = getattr(type(obj), "__interlace_read__", None)
-    if serve is None:
-        return Ready(getattr(obj, name))
-    return serve(obj, name)
+def _read_at_once(obj, name):
+    return Ready(getattr(obj, name))
+
+
+read = frames.Reader("__interlace_read__", _read_at_once)
+"""`read(obj, name)`: `obj.<name>` in a generator body, as what the body's `yield from` runs:
+the iterator `type(obj).__interlace_read__(obj, name)` returns (it yields while the value is
+not there yet, and returns it), else the value read at once (`Ready`). Compiled: no Python
+frame per read."""
 
 
 def write(value, obj, name):
