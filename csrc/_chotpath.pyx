@@ -415,6 +415,18 @@ cdef class GenCore:
             return self.failed(error)
 
 
+def runs_here(MediatorCore mediator not None):
+    """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
+    body runs on its worker; a generator body (a `GenCore` worker) runs while its generator
+    does, on the greenlet that resumes it (the model's)."""
+    worker = mediator.worker
+    if worker is None:
+        return False
+    if isinstance(worker, GenCore):
+        return bool((<GenCore>worker).gen.gi_running) and (<GenCore>worker).home is _getcurrent()
+    return worker is _getcurrent()
+
+
 cdef inline object _steal(PyObject *value):
     # a new reference from C, owned by the returned object from now on
     result = <object>value

@@ -313,6 +313,21 @@ class GenCore:
             payload = None
 
 
+def runs_here(mediator):
+    """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
+    body runs on its worker; a generator body (a `GenCore` worker) runs while its generator
+    does, on the greenlet that resumes it (the model's)."""
+    if not isinstance(mediator, MediatorCore):
+        raise TypeError(f"Argument 'mediator' has incorrect type (expected "
+                        f"{__name__}.MediatorCore, got {type(mediator).__name__})")
+    worker = mediator.worker
+    if worker is None:
+        return False
+    if isinstance(worker, GenCore):
+        return bool(worker.gen.gi_running) and worker.home is _configured["getcurrent"]()
+    return worker is _configured["getcurrent"]()
+
+
 class Event:
     """One happening of a location, as handed to bodies: its value may be replaced."""
 

@@ -219,14 +219,10 @@ class Mediator(hotpath.MediatorCore):
         return payload
 
 
-def runs_here(mediator) -> bool:
-    """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
-    body runs on its worker; a generator body runs while its generator does, on the
-    greenlet that resumes it (the model's)."""
-    worker = mediator.worker
-    if type(worker) is GenWorker:
-        return worker.gen.gi_running and worker.home is getcurrent()
-    return worker is not None and worker is getcurrent()
+runs_here = hotpath.runs_here
+"""`runs_here(mediator)`: is the calling code `mediator`'s body (its own lines or what they
+call)? A greenlet body runs on its worker; a generator body runs while its generator does, on
+the greenlet that resumes it (the model's)."""
 
 
 def runs_within(mediator) -> bool:
