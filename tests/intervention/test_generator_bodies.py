@@ -502,3 +502,32 @@ def test_a_sweep_items_reads_return_tuples_tensors_and_dicts_as_hooks_see_them()
         assert torch.equal(pair[0], seen["pair"][0]) and torch.equal(pair[1], seen["pair"][1])
         assert torch.equal(plain, seen["plain"])
         assert set(mapping) == {"out"} and torch.equal(mapping["out"], seen["mapping"]["out"])
+
+
+def test_an_envoys_attribute_named_like_a_read_is_the_modules_own_in_a_generator_body():
+    """`envoy.result` is not a read for an Envoy (only `.output`/`.input`/`.inputs` are): a
+    generator body gets the module's own attribute, as a greenlet body does, not its input."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.result = "the module's own attribute"
+
+        def forward(self, x):
+            return self.linear(x)
+
+    net = torch.nn.Sequential(Scaled())
+    model = interlace.Model(net)
+    x = torch.randn(2, 3)
+    kinds, seen = [], []
+    for _ in range(3):
+        with torch.no_grad(), model.trace(x):
+            kind = interlace.save(_kind(model))
+            got = interlace.save(model[0].result)
+            out = model[0].output.save()
+        kinds.append(kind)
+        seen.append(got)
+        assert torch.equal(out, net(x))
+    assert kinds[-1] == "GeneratorMediator"
+    assert seen == ["the module's own attribute"] * 3

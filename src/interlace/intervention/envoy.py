@@ -333,11 +333,13 @@ class Envoy:
         # an express run serves the read itself (express.py), else the running trace
         # (`_running`: `Engine.running` less its express check, made here already)
         interleaver = engine.express or engine._running
-        if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
-            return Ready(getattr(self, name))
-        if name == "output":
-            return interleaver.reader(2 * fields["_index"] + 1)  # (hotpath.Exchange.reader)
-        return self._inputs_read(interleaver, name)
+        if interleaver is not None:
+            if name == "output":
+                if type(self).output is _OUTPUT:
+                    return interleaver.reader(2 * fields["_index"] + 1)  # (hotpath.Exchange.reader)
+            elif name in _ENVOY_READS and getattr(type(self), name) is _ENVOY_READS[name]:
+                return self._inputs_read(interleaver, name)
+        return Ready(getattr(self, name))
 
     def _inputs_read(self, interleaver, name):
         inputs = yield from interleaver.generator_read(2 * self._index)
@@ -390,6 +392,7 @@ class Envoy:
 
 _ENVOY_READS = {name: Envoy.__dict__[name] for name in ("output", "input", "inputs")}
 """The properties `Envoy.__interlace_read__` serves (a subclass's own are read as they are)."""
+_OUTPUT = _ENVOY_READS["output"]
 
 
 class Attached(Envoy):
