@@ -292,14 +292,25 @@ class Engine:
             interleaver.total = rows[-1].stop
             interleaver.dim = batcher.dim
             _add_edits(interleaver, edits, rows)
-            for i, ((fn, _, _), part) in enumerate(zip(invokes, rows)):
-                interleaver.add(fn, part, label=f"invoke {i}")
+            interleaver.add_all([fn for fn, _, _ in invokes], rows, invoke_labels(len(invokes)))
         else:
             if invokes:
                 _add_edits(interleaver, edits, [None])
             for fn, _, _ in invokes:
                 interleaver.add(fn)
         return call, args, kwargs
+
+
+_INVOKE_LABELS = []
+
+
+def invoke_labels(n):
+    """"invoke 0", "invoke 1", ...: at least `n` of them, made once (a sweep's batch labels
+    every item). The list is shared: read it, do not change it."""
+    labels = _INVOKE_LABELS
+    if len(labels) < n:
+        labels.extend(f"invoke {i}" for i in range(len(labels), n))
+    return labels
 
 
 def _prepare_all(batcher, invokes):

@@ -140,17 +140,25 @@ class Interleaver(hotpath.Exchange):
     # -- building -----------------------------------------------------------------------
 
     def add(self, fn, rows=None, label="trace body"):
-        # which way the body runs (routes.py): the common cases without a call
-        block = getattr(fn, "route_block", None)
-        if block is None:
-            cls = Mediator
-        elif block.route is routes.GENERATOR:
-            cls = GeneratorMediator
-        else:
-            cls = routes.mediator_class(fn)
-        mediator = cls(fn, len(self.mediators), rows, label)
-        self.mediators.append(mediator)
-        return mediator
+        """A mediator for body `fn` (seeing batch `rows`, None: all), after the others."""
+        self.add_all((fn,), (rows,), (label,))
+        return self.mediators[-1]
+
+    def add_all(self, fns, rows, labels):
+        """`add(fn, rows, label)` for each body of `fns` in order, with its rows and label
+        (one call for a batch of invokes or sweep items)."""
+        mediators = self.mediators
+        generator = routes.GENERATOR
+        for fn, part, label in zip(fns, rows, labels):
+            # which way the body runs (routes.py): the common cases without a call
+            block = getattr(fn, "route_block", None)
+            if block is None:
+                cls = Mediator
+            elif block.route is generator:
+                cls = GeneratorMediator
+            else:
+                cls = routes.mediator_class(fn)
+            mediators.append(cls(fn, len(mediators), part, label))
 
     # -- running (model side) -------------------------------------------------------------
 

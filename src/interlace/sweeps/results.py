@@ -142,6 +142,7 @@ def item_fields(item, names=None):
 
 
 _PLAIN = (torch.Tensor, int, float, str, bool)
+_Tensor = torch.Tensor
 
 
 def _cell(value):
@@ -156,14 +157,10 @@ def compact(value):
     Looks into lists, tuples and dicts (and dict-like model outputs); returns new containers
     only where something was copied.
     """
-    if isinstance(value, torch.Tensor):
-        if value._base is not None and _pins_more(value):  # only a view can hold more
-            return value.clone()
-        return value
     if type(value) is dict and len(value) < 4096:  # (every item's saved names: one pass)
         out = None
         for k, v in value.items():
-            if type(v) is torch.Tensor:  # the common case, without a call
+            if type(v) is _Tensor:  # the common case, without a call
                 c = v.clone() if v._base is not None and _pins_more(v) else v
             else:
                 c = compact(v)
@@ -172,6 +169,10 @@ def compact(value):
                     out = dict(value)
                 out[k] = c
         return value if out is None else out
+    if isinstance(value, torch.Tensor):
+        if value._base is not None and _pins_more(value):  # only a view can hold more
+            return value.clone()
+        return value
     if type(value) in (list, tuple) and len(value) < 4096:
         out = [compact(v) for v in value]
         if all(a is b for a, b in zip(out, value)):
