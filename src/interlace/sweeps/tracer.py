@@ -173,8 +173,7 @@ class SweepTracer(IterMixin, Tracer):
         engine = self._engine
         if engine is None:
             engine = self._engine = engine_of(self.model)
-        # (`engine.running`, without its property call where no express run is there)
-        interleaver = engine._running if engine.express is None else engine.running
+        interleaver = engine.running
         mediator = None if interleaver is None else interleaver.current
         if mediator is None or not runs_here(mediator):  # not the item's own code
             interleaver = engine.active()
