@@ -279,38 +279,38 @@ cdef class MediatorCore:
         else:
             worker = _new_worker()
         worker.parent = _getcurrent()
-        self.worker = worker
-        model_grad = _is_grad_enabled()
-        self.body_grad = model_grad
-        try:
-            message = worker.switch(self._job)
-        finally:
-            if _is_grad_enabled() != model_grad:
-                _set_grad_enabled(model_grad)
-        if message == 2 or message == 3:  # DONE, FAILED
-            release(self, pool)
-        return message
+        return first_switch(self, worker, self._job, pool)
 
     def start_generator(self, GenCore worker not None, list pool=None):
         """`start` for a generator body: `worker` (made for it) runs the body until its first
         request (or its end); returns its message. Grad modes as `start`'s; an ended body is
         released to `pool`."""
-        self.worker = worker
-        model_grad = _is_grad_enabled()
-        self.body_grad = model_grad
-        try:
-            message = worker.c_switch(None)
-        finally:
-            if _is_grad_enabled() != model_grad:
-                _set_grad_enabled(model_grad)
-        if message == 2 or message == 3:  # DONE, FAILED
-            release(self, pool)
-        return message
+        return first_switch(self, worker, None, pool)
 
     def release(self, list pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
         workers) unless the worker is dead, single-use, or the pool holds POOL_MAX already."""
         release(self, pool)
+
+
+cdef object first_switch(MediatorCore mediator, worker, payload, list pool):
+    # `start`'s switch into its body's `worker` with `payload` (a generator body's by a C
+    # call): the body starts in the model's grad mode, the model gets its mode back after,
+    # and a body that ended at once is released to `pool`
+    mediator.worker = worker
+    model_grad = _is_grad_enabled()
+    mediator.body_grad = model_grad
+    try:
+        if isinstance(worker, GenCore):
+            message = (<GenCore>worker).c_switch(payload)
+        else:
+            message = worker.switch(payload)
+    finally:
+        if _is_grad_enabled() != model_grad:
+            _set_grad_enabled(model_grad)
+    if message == 2 or message == 3:  # DONE, FAILED
+        release(mediator, pool)
+    return message
 
 
 cdef int release(MediatorCore mediator, list pool) except -1:

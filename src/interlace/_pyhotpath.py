@@ -224,16 +224,7 @@ class MediatorCore:
             pool = c["idle_workers"]()
         worker = pool.pop() if pool else c["new_worker"]()
         worker.parent = c["getcurrent"]()
-        self.worker = worker
-        model_grad = self.body_grad = c["is_grad_enabled"]()
-        try:
-            message = worker.switch(self._job)
-        finally:
-            if c["is_grad_enabled"]() != model_grad:
-                c["set_grad_enabled"](model_grad)
-        if message == DONE or message == FAILED:
-            self.release(pool)
-        return message
+        return self._first_switch(worker, self._job, pool)
 
     def start_generator(self, worker, pool=None):
         """`start` for a generator body: `worker` (made for it) runs the body until its first
@@ -242,11 +233,17 @@ class MediatorCore:
         if not isinstance(worker, GenCore):
             raise TypeError(f"Argument 'worker' has incorrect type (expected "
                             f"{__name__}.GenCore, got {type(worker).__name__})")
+        return self._first_switch(worker, None, pool)
+
+    def _first_switch(self, worker, payload, pool):
+        # `start`'s switch into the body's `worker` with `payload`: the body starts in the
+        # model's grad mode, the model gets its mode back after, and a body that ended at
+        # once is released to `pool`
         c = _configured
         self.worker = worker
         model_grad = self.body_grad = c["is_grad_enabled"]()
         try:
-            message = worker.switch(None)
+            message = worker.switch(payload)
         finally:
             if c["is_grad_enabled"]() != model_grad:
                 c["set_grad_enabled"](model_grad)
