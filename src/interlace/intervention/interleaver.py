@@ -622,19 +622,10 @@ class Interleaver(hotpath.Exchange):
         hooks.install_by_policy(self, key)
 
     def narrowed(self, event, mediator, key):
-        """`mediator`'s rows of `event`'s value (a read by an invoke or a sweep item)."""
-        value = event.value
-        if type(value) is Tensor and not self.backward:
-            # `narrow`'s common case inlined (a sweep item's every read): a tensor whose batch
-            # axis this run has cached as 0, with no `origin` mark (no backward to ask for it)
-            axis = self.axes.get((key, value.shape))
-            if axis == 0:
-                return value[mediator.rows]
-        return self._part(event, mediator, key)
-
-    def _part(self, event, mediator, key):
-        """`mediator`'s rows of `event`'s value; a leaf the batch shares comes as a copy of
-        its own (an in-place edit then stays the item's: `_check_copies`)."""
+        """`mediator`'s rows of `event`'s value (a read by an invoke or a sweep item); a leaf
+        the batch shares comes as a copy of its own (an in-place edit then stays the item's:
+        `_check_copies`). The exchange's reads take the common case themselves (a tensor
+        whose batch axis this run cached as 0: `row_type`) and call this for the rest."""
         layouts = self.layouts
         shared = []
         try:
