@@ -6,6 +6,8 @@ tokenizes and pads; see `engine.Engine`):
 - `prepare(args, kwargs)` -> `Prepared`: one invoke's inputs, normalised, with its row count;
 - `batch(prepared_list)` -> `(args, kwargs)`: the inputs of the single forward pass;
 - `slices(prepared_list)` -> one `slice` of batch rows per invoke;
+- `repeated(prepared, n)` -> `(args, kwargs, slices)`: the same for `n` invokes of the very
+  same inputs (a sweep's shared input), without a step per invoke;
 - `for_run(run)` -> the batcher for a run made by `run` (a generation may batch differently);
 - `as_given`: a single invoke's inputs go to the model exactly as given (no `prepare`).
 
@@ -18,6 +20,8 @@ batch raises `RunAlone` (the engine then runs the items alone). docs/batching.md
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import namedtuple
 
 import torch
@@ -117,6 +121,20 @@ class Batcher:
         }
         return args, kwargs
 
+    def repeated(self, prepared, n):
+        """`(args, kwargs, slices)` of `n` invokes that all pass the inputs `prepared`: what
+        `batch` and `slices` give for `[prepared] * n`, with one op per tensor argument."""
+        args = tuple(self._repeat(value, n, f"positional argument {j}")
+                     for j, value in enumerate(prepared.args))
+        kwargs = {name: self._repeat(value, n, f"keyword argument {name!r}")
+                  for name, value in prepared.kwargs.items()}
+        return args, kwargs, _even_slices(prepared.rows, n)
+
+    def _repeat(self, value, n, what):
+        if isinstance(value, torch.Tensor):
+            return self._combine([value] * n, what)
+        return value
+
     def slices(self, prepared):
         out, start = [], 0
         for p in prepared:
@@ -128,13 +146,16 @@ class Batcher:
         first = values[0]
         dim = self.dim
         if isinstance(first, torch.Tensor):
+            # every value `first` (a shared input: every sweep item's tensor): one op, no
+            # step per value
+            if first.dim() > dim and all(map(operator.is_, values, itertools.repeat(first))):
+                if first.is_contiguous():
+                    repeats = [1] * first.dim()
+                    repeats[dim] = len(values)
+                    return first.repeat(repeats)
+                return torch.cat(values, dim=dim)
             rest = first.shape[:dim] + first.shape[dim + 1:]
-            same = True  # every value is `first` (a shared input: every sweep item's tensor)
             for i, value in enumerate(values):
-                if value is first and i:
-                    continue
-                if i:
-                    same = False
                 if not isinstance(value, torch.Tensor) or value.dim() <= dim or (
                     value.shape[:dim] + value.shape[dim + 1:] != rest
                 ):
@@ -144,10 +165,6 @@ class Batcher:
                         f"{_describe(value)} in invoke {i}; batched inputs must agree in every "
                         f"dimension but {where} (pad them, or run separate traces)"
                     )
-            if same and first.is_contiguous():  # one tensor n times: one op, not n in a list
-                repeats = [1] * first.dim()
-                repeats[dim] = len(values)
-                return first.repeat(repeats)
             return torch.cat(values, dim=dim)
         for i, value in enumerate(values):
             if isinstance(value, torch.Tensor) or not _same(value, first):
@@ -157,6 +174,19 @@ class Batcher:
                     f"across invokes"
                 )
         return first
+
+
+_SLICES = {}
+
+
+def _even_slices(rows, n):
+    """`n` slices of `rows` rows each, in order (shared lists: read them, do not change them)."""
+    out = _SLICES.get((rows, n))
+    if out is None:
+        if len(_SLICES) > 256:
+            _SLICES.clear()
+        out = _SLICES[rows, n] = [slice(i * rows, (i + 1) * rows) for i in range(n)]
+    return out
 
 
 def _same(a, b):

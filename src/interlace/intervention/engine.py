@@ -23,6 +23,8 @@ an `InterlaceError` naming them (`_Waits`, a wait-for graph) instead of waiting 
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 import warnings
 import weakref
@@ -283,16 +285,22 @@ class Engine:
             _add_edits(interleaver, edits, [None])
             interleaver.add(fn)
             return call, args, kwargs
-        if len(invokes) > 1:
+        n = len(invokes)
+        if n > 1:
             self.check_batch_dim(batcher)
-        prepared = _prepare_all(batcher, invokes)
-        args, kwargs = batcher.batch(prepared) if prepared else ((), {})
-        if len(invokes) > 1:
-            rows = batcher.slices(prepared)
+        if n > 1 and type(batcher) is Batcher and _same_inputs(invokes):
+            # every invoke passes the very same inputs (a sweep's shared input): prepared
+            # once, repeated as one op, its rows evenly split (no step per invoke)
+            args, kwargs, rows = batcher.repeated(batcher.prepare(*invokes[0][1:]), n)
+        else:
+            prepared = _prepare_all(batcher, invokes)
+            args, kwargs = batcher.batch(prepared) if prepared else ((), {})
+            rows = batcher.slices(prepared) if n > 1 else None
+        if n > 1:
             interleaver.total = rows[-1].stop
             interleaver.dim = batcher.dim
             _add_edits(interleaver, edits, rows)
-            interleaver.add_all([fn for fn, _, _ in invokes], rows, invoke_labels(len(invokes)))
+            interleaver.add_all(list(map(_first, invokes)), rows, invoke_labels(n))
         else:
             if invokes:
                 _add_edits(interleaver, edits, [None])
@@ -311,6 +319,20 @@ def invoke_labels(n):
     if len(labels) < n:
         labels.extend(f"invoke {i}" for i in range(len(labels), n))
     return labels
+
+
+_first = operator.itemgetter(0)
+
+
+def _same_inputs(invokes):
+    """Do all `invokes` pass the very same argument tuple and keyword dict (by identity)?"""
+    _, args, kwargs = invokes[0]
+    return (all(map(operator.is_, map(_ARGS, invokes), itertools.repeat(args)))
+            and all(map(operator.is_, map(_KWARGS, invokes), itertools.repeat(kwargs))))
+
+
+_ARGS = operator.itemgetter(1)
+_KWARGS = operator.itemgetter(2)
 
 
 def _prepare_all(batcher, invokes):
