@@ -20,6 +20,8 @@ turn it is to run a model (one run per model at a time) is the engine's (`engine
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import threading
 import warnings
@@ -65,6 +67,15 @@ def _user_line(mediator):
     """(filename, lineno) of the innermost frame of a parked body outside interlace."""
     frame = mediator.paused_frame()
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<interlace>", 0)
+
+
+def _one_generator_route(fns):
+    """Do all bodies `fns` share one Block whose route is the generator route?"""
+    block = getattr(fns[0], "route_block", None)
+    if block is None or block.route is not routes.GENERATOR:
+        return False
+    blocks = map(getattr, fns, itertools.repeat("route_block"), itertools.repeat(None))
+    return all(map(operator.is_, blocks, itertools.repeat(block)))
 
 
 class Interleaver(hotpath.Exchange):
@@ -149,6 +160,11 @@ class Interleaver(hotpath.Exchange):
         (one call for a batch of invokes or sweep items)."""
         mediators = self.mediators
         generator = routes.GENERATOR
+        if len(fns) > 1 and _one_generator_route(fns):
+            # every body has the same generator route (a sweep's items): no step per body
+            mediators.extend(map(GeneratorMediator, fns, itertools.count(len(mediators)), rows,
+                                 labels))
+            return
         for fn, part, label in zip(fns, rows, labels):
             # which way the body runs (routes.py): the common cases without a call
             block = getattr(fn, "route_block", None)

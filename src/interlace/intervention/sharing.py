@@ -19,10 +19,14 @@ ends the wait of readers whose provider never got there when the run is over.
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 from greenlet import getcurrent
 
 from .mediator import PARKED, StopSignal
 
+_FN = operator.attrgetter("fn")
 MISSING = object()  # no earlier invoke binds the name: the caller's value or a global applies
 WAIT = object()  # the earlier invoke that binds it is still running and has not bound it yet
 
@@ -35,6 +39,9 @@ def shares(mediators):
     unknown) rules sharing out when it is empty for every later body: then no body can see
     another's variables, and publishing them at every pause would be wasted work.
     """
+    assigns = map(getattr, map(_FN, mediators), itertools.repeat("assigns"), itertools.repeat(None))
+    if all(map(operator.is_, assigns, itertools.repeat(None))):
+        return False  # no body binds names (sweep items): no step per body
     binders = 0
     for mediator in mediators:
         fn = mediator.fn
