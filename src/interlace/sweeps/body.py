@@ -30,7 +30,7 @@ UNDECIDED = object()
 class ItemBody:
     """One item: the runner's entry (its position `index`, the `item`, its forward's `args`
     and `kwargs`, its batch `key`; `runner.Entry` is this class) and the mediator's job that
-    runs the body for it (the batch's `run_batch` sets its `job`). One object per item, made
+    runs the body for it (for its sweep's `job`, with the job's `route_block`). One object per item, made
     once when the item is drawn, also when its batch runs again (a retry or a run alone).
 
     `saved` is the name -> value mapping of the names the body assigned *and* saved (set when
@@ -41,20 +41,21 @@ class ItemBody:
     __slots__ = ("index", "item", "args", "kwargs", "key", "job", "saved", "iter_rows",
                  "observers", "state", "route_block")
 
-    def __init__(self, index, item, args, kwargs, key):
+    def __init__(self, index, item, args, kwargs, key, job=None, route_block=None):
         self.index = index
         self.item = item
         self.args = args
         self.kwargs = kwargs
         self.key = key
-        self.job = None
+        self.job = job
         self.saved = None
         self.iter_rows = None  # its batch rows, once the body used `tracer.iter`/`all()`
         self.observers = None  # [(key, fn)] its `sweep.cache()` recorders, once it made one
         self.state = None  # its save state while it runs as a generator (`generator`)
         # the sweep body's Block when items may run as generators, None on greenlets: the
-        # interleaver reads it to choose the item's route (`run_batch` sets it per batch)
-        self.route_block = None
+        # interleaver reads it to choose the item's route (the job's: `Job.entries` or
+        # `run_batch` sets it)
+        self.route_block = route_block
 
     def __reduce__(self):  # what travels to a Ray worker: the entry, not its run
         return (ItemBody, (self.index, self.item, self.args, self.kwargs, self.key))

@@ -15,6 +15,8 @@ body, e.g. `.cpu()`, if you want them elsewhere).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -47,6 +49,13 @@ class SweepResults(Mapping):
         """Record finished items' saved values, `values[i]` for `items[i]` (in order): a
         batch's in one call."""
         columns = self._columns
+        names = columns.keys()
+        if all(map(operator.le, map(dict.keys, values), itertools.repeat(names))):
+            # no item saved a new name (the common case): each column grows in one call
+            for name, column in columns.items():
+                column.extend(map(dict.get, values, itertools.repeat(name)))
+            self.finished.extend(items)
+            return
         n = len(self.finished)
         for saved in values:
             for name in saved:
@@ -143,6 +152,7 @@ def item_fields(item, names=None):
 
 _PLAIN = (torch.Tensor, int, float, str, bool)
 _Tensor = torch.Tensor
+_BASE = operator.attrgetter("_base")
 
 
 def _cell(value):
@@ -187,6 +197,21 @@ def compact(value):
         except Exception:  # noqa: BLE001 - an output type we cannot rebuild: keep it whole
             return value
     return value
+
+
+def compact_all(rows):
+    """`compact` each of a batch's saved dicts in `rows`, in place: one pass over the batch,
+    where a value that is not a view (the common case) costs no call."""
+    every = list(itertools.chain.from_iterable(map(dict.values, rows)))
+    if all(map(operator.is_, map(type, every), itertools.repeat(_Tensor))) and all(
+            map(operator.is_, map(_BASE, every), itertools.repeat(None))):
+        return  # no view among them (the common case): looked at without a step per item
+    tensor = _Tensor
+    for i, values in enumerate(rows):
+        for v in values.values():
+            if type(v) is not tensor or v._base is not None:
+                rows[i] = compact(values)
+                break
 
 
 def to_cpu(value):

@@ -29,6 +29,8 @@ list) happen again; their saved values are recorded once, from the run that fini
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 
 import torch
@@ -39,7 +41,7 @@ from ..intervention.edit import replays
 from ..intervention.access import engine_of, module_of
 from .body import UNDECIDED, ItemBody, item_of, name_item
 from .inputs import Inputs, split
-from .results import compact
+from .results import compact, compact_all
 
 _CPU_TOKENS = 2048  # tokens per batch on a CPU: per row, 1-2k-token batches were fastest
 _GPU_TOKENS = 32768  # at most this many tokens per batch on an accelerator
@@ -82,7 +84,11 @@ class Job:
         per_item = callable(source) and not isinstance(source, torch.nn.Module)
         shared = self.kwargs
         prepare = getattr(model, "prepare_inputs", None)  # looked up once, not per item
+        if source is not None and not per_item:
+            yield from self._shared_entries(prepare, items)
+            return
         keys = {}
+        route = UNDECIDED
         for index, item in enumerate(items):
             try:
                 value = item if source is None else source(item) if per_item else source
@@ -101,7 +107,32 @@ class Job:
             except Exception as error:
                 name_item(error, index, item)
                 raise
-            yield Entry(index, item, args, kwargs, key)
+            if route is UNDECIDED:  # (the first item decides the job's route: `run_batch`)
+                route = self._route()
+            yield Entry(index, item, args, kwargs, key, self, route)
+
+    def _shared_entries(self, prepare, items):
+        """`entries` when every item passes the same input: its arguments and key are made
+        once, at the first item (an error there names it), not looked up per item."""
+        made = None
+        for index, item in enumerate(items):
+            if made is None:
+                try:
+                    value = self.input
+                    args, kwargs = split(value, self.kwargs) if isinstance(value, Inputs) else (
+                        (value,), self.kwargs)
+                    made = (args, kwargs, batch_key(prepare, args, kwargs), self, self._route())
+                except Exception as error:
+                    name_item(error, index, item)
+                    raise
+            yield Entry(index, item, *made)
+
+    def _route(self):
+        """The job's route (an entry's `route_block`: `ItemBody.decide_route`), decided once."""
+        route = self.route_block
+        if route is UNDECIDED:
+            route = ItemBody(0, None, (), {}, None, self).decide_route()
+        return route
 
 
 Entry = ItemBody
@@ -159,15 +190,24 @@ def _value_key(value):
     return ("value", type(value), value)
 
 
+_JOB = operator.attrgetter("job")
+_KEY = operator.attrgetter("key")
+_ARGS = operator.attrgetter("args")
+_KWARGS = operator.attrgetter("kwargs")
+
+
 def _in_item_order(entry):
     return entry.index
 
 
 def plan_batches(entries, size):
     """`entries` (in item order) as batches of at most `size` entries of one key each."""
-    groups = {}
-    for entry in entries:
-        groups.setdefault(entry.key, []).append(entry)
+    if entries and all(map(operator.is_, map(_KEY, entries), itertools.repeat(entries[0].key))):
+        groups = {None: entries}  # one key for all (a shared input's): in order already
+    else:
+        groups = {}
+        for entry in entries:
+            groups.setdefault(entry.key, []).append(entry)
     batches = []
     for group in groups.values():
         batches.extend(group[i:i + size] for i in range(0, len(group), size))
@@ -184,22 +224,23 @@ def run_batch(model, job, entries):
     Raises what the batch raised; an error an item's body raised carries the item (see
     `body.item_of`).
     """
-    runs = []
-    block = UNDECIDED
-    for entry in entries:  # each entry is its item's body (an ItemBody)
-        entry.job = job
-        if block is UNDECIDED:
-            block = entry.decide_route()  # (the same for every item: one call per batch)
-        entry.route_block = block
-        runs.append((entry, entry.args, entry.kwargs))
+    # each entry is its item's body (an ItemBody), made by `job.entries` for this job; one
+    # made elsewhere (sent to a Ray worker) is given the job here
+    if not all(map(operator.is_, map(_JOB, entries), itertools.repeat(job))):
+        block = job._route() if entries else None
+        for entry in entries:
+            entry.job = job
+            entry.route_block = block
+    runs = list(zip(entries, map(_ARGS, entries), map(_KWARGS, entries)))
     out = engine_of(model).interleave(runs, run=job.run, backward=job.backward,
                                       edits=replays(model))
     saved = []
-    own = job.store is None  # (else the store compacts what it keeps past the batch)
     for entry in entries:  # nothing of the run stays on the entry (it may wait to be committed)
         values = entry.saved
         entry.saved = entry.observers = None
-        saved.append((compact(values) if own else values) if values else {})
+        saved.append(values or {})
+    if job.store is None:  # (else the store compacts what it keeps past the batch)
+        compact_all(saved)
     if job.generate and len(entries) > 1:
         # An item whose generation ended (eos) before its batch's saw, in a `tracer.iter`
         # loop, steps it would not have had alone: run it alone again.

@@ -11,6 +11,7 @@ before it, in order.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 
 from ..runner import WINDOW, InOrder, Runner, choose_batch_size
@@ -80,7 +81,7 @@ def committer(sweep, job, bar):
 
     def commit(entries, values):
         if store is None:
-            results.extend([entry.item for entry in entries], values)
+            results.extend(list(map(_ITEM, entries)), values)
         else:
             store.commit(job, entries, values)
         if bar is not None:
@@ -103,15 +104,15 @@ def committer(sweep, job, bar):
     return done
 
 
+_ITEM = operator.attrgetter("item")
+
+
 def take(entries, n):
     """Up to `n` entries, and the error that stopped the stream early (or None)."""
     out = []
-    try:
-        for entry in entries:
-            out.append(entry)
-            if len(out) >= n:
-                break
-    except Exception as error:  # an item's input could not be made: named by Job.entry
+    try:  # (a list keeps what it took when the stream raises part-way)
+        out.extend(itertools.islice(entries, n))
+    except Exception as error:  # an item's input could not be made: named by Job.entries
         return out, error
     return out, None
 
