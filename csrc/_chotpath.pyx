@@ -214,17 +214,19 @@ cdef object _new_worker = None
 cdef object _idle_workers = None
 cdef object _enter_body = None
 cdef object _exit_body = None
+cdef object _gen_worker = None
 
 
 def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers,
-              enter_body=None, exit_body=None):
+              enter_body=None, exit_body=None, gen_worker=None):
     """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
     and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
     `idle_workers()` (this thread's pool, when `start` is given none); and what a `GenCore`
     calls to enter a body's save state and leave it: `enter_body(state) -> token`,
-    `exit_body(token)`."""
+    `exit_body(token)`; `gen_worker(mediator, gen, state)`, the `GenCore` subclass that
+    `start_generator_job` makes."""
     global _getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, _idle_workers
-    global _enter_body, _exit_body
+    global _enter_body, _exit_body, _gen_worker
     _getcurrent = getcurrent
     _is_grad_enabled = is_grad_enabled
     _set_grad_enabled = set_grad_enabled
@@ -232,6 +234,7 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
     _idle_workers = idle_workers
     _enter_body = enter_body
     _exit_body = exit_body
+    _gen_worker = gen_worker
 
 
 cdef class MediatorCore:
@@ -286,6 +289,13 @@ cdef class MediatorCore:
         request (or its end); returns its message. Grad modes as `start`'s; an ended body is
         released to `pool`."""
         return first_switch(self, worker, None, pool)
+
+    def start_generator_job(self, list pool=None):
+        """`start` for a generator body made by its job: `fn.generator()` gives the body's
+        generator and save state, and a worker of the configured `gen_worker` class made for
+        them runs it (`start_generator`)."""
+        gen, state = self.fn.generator()
+        return first_switch(self, _gen_worker(self, gen, state), None, pool)
 
     def release(self, list pool):
         """The body ended: it is finished, and its worker goes back to `pool` (a thread's idle
@@ -387,6 +397,14 @@ cdef class GenCore:
             finally:
                 PyContext_Exit(context)
         return 0
+
+    def returned(self, values):
+        """`switch`'s end when the body returned its final locals `values`: its job's
+        `finish(values)` (the mediator let go first: no cycle left); DONE."""
+        mediator = self.mediator
+        self.mediator = None
+        mediator.fn.finish(values)
+        return 2  # DONE
 
     def switch(self, payload=None):
         return self.c_switch(payload)
@@ -753,6 +771,25 @@ cdef class Exchange:
             if axis is not None and axis == 0:
                 return value[mediator.rows]
         return self.narrowed(event, mediator, key)
+
+    def start_all(self, mediators):
+        """Model side: run each body of `mediators`, in order, until its first request or its
+        end (`mediator.start(pool)`, as `current`). A start that came back with anything but
+        PARKED or DONE, or any start while the run has `participants`, goes to the run
+        object's `_started(mediator, message)` (policy); the loop ends once the run is
+        `stopped` or has a `failure` (the run object's fields)."""
+        cdef object run = self
+        pool = self.pool
+        for mediator in mediators:
+            self.current = mediator
+            try:
+                message = mediator.start(pool)
+            finally:
+                self.current = None
+            if (message != 1 and message != 2) or run.participants:  # PARKED, DONE
+                run._started(mediator, message)
+            if run.stopped or run.failure is not None:
+                return
 
     def reader(self, Py_ssize_t key):
         """Body side, for a generator body: what its `yield from` runs to read location

@@ -179,15 +179,17 @@ _configured = {}  # what MediatorCore.start calls (`configure`)
 
 
 def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_workers,
-              enter_body=None, exit_body=None):
+              enter_body=None, exit_body=None, gen_worker=None):
     """Set what `MediatorCore.start` calls: greenlet's `getcurrent`, torch's grad-mode getter
     and setter, `new_worker()` (a worker greenlet, when the pool is empty: policy) and
     `idle_workers()` (this thread's pool, when `start` is given none); and what a `GenCore`
     calls to enter a body's save state and leave it: `enter_body(state) -> token`,
-    `exit_body(token)`."""
+    `exit_body(token)`; `gen_worker(mediator, gen, state)`, the `GenCore` subclass that
+    `start_generator_job` makes."""
     _configured.update(getcurrent=getcurrent, is_grad_enabled=is_grad_enabled,
                        set_grad_enabled=set_grad_enabled, new_worker=new_worker,
-                       idle_workers=idle_workers, enter_body=enter_body, exit_body=exit_body)
+                       idle_workers=idle_workers, enter_body=enter_body, exit_body=exit_body,
+                       gen_worker=gen_worker)
 
 
 class MediatorCore:
@@ -234,6 +236,13 @@ class MediatorCore:
             raise TypeError(f"Argument 'worker' has incorrect type (expected "
                             f"{__name__}.GenCore, got {type(worker).__name__})")
         return self._first_switch(worker, None, pool)
+
+    def start_generator_job(self, pool=None):
+        """`start` for a generator body made by its job: `fn.generator()` gives the body's
+        generator and save state, and a worker of the configured `gen_worker` class made for
+        them runs it (`start_generator`)."""
+        gen, state = self.fn.generator()
+        return self._first_switch(_configured["gen_worker"](self, gen, state), None, pool)
 
     def _first_switch(self, worker, payload, pool):
         # `start`'s switch into the body's `worker` with `payload`: the body starts in the
@@ -294,6 +303,14 @@ class GenCore:
         if token is not None:
             self.token = None
             self.context.run(_configured["exit_body"], token)
+
+    def returned(self, values):
+        """`switch`'s end when the body returned its final locals `values`: its job's
+        `finish(values)` (the mediator let go first: no cycle left); DONE."""
+        mediator = self.mediator
+        self.mediator = None
+        mediator.fn.finish(values)
+        return DONE
 
     def switch(self, payload=None):
         try:
@@ -558,6 +575,24 @@ class Exchange:
         if mediator.rows is None:
             return event.value
         return _narrowed(self, event, mediator, key)
+
+    def start_all(self, mediators):
+        """Model side: run each body of `mediators`, in order, until its first request or its
+        end (`mediator.start(pool)`, as `current`). A start that came back with anything but
+        PARKED or DONE, or any start while the run has `participants`, goes to the run
+        object's `_started(mediator, message)` (policy); the loop ends once the run is
+        `stopped` or has a `failure` (the run object's fields)."""
+        pool = self.pool
+        for mediator in mediators:
+            self.current = mediator
+            try:
+                message = mediator.start(pool)
+            finally:
+                self.current = None
+            if message != PARKED and message != DONE or self.participants:
+                self._started(mediator, message)
+            if self.stopped or self.failure is not None:
+                return
 
     def reader(self, key):
         """Body side, for a generator body: what its `yield from` runs to read location

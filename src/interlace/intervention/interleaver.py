@@ -328,18 +328,9 @@ class Interleaver(hotpath.Exchange):
         return result
 
     def _start(self):
-        """Run each body, in invoke order, until its first request (or its end)."""
-        pool = self.pool
-        for mediator in self.mediators:
-            self.current = mediator
-            try:
-                message = mediator.start(pool)
-            finally:
-                self.current = None
-            if message != PARKED and message != DONE or self.participants:
-                self._started(mediator, message)  # (nothing to do for the common two, alone)
-            if self.stopped or self.failure is not None:
-                return
+        """Run each body, in invoke order, until its first request (or its end): the loop is
+        the exchange's (`start_all`); `_started` is what it reports."""
+        self.start_all(self.mediators)
 
     def _started(self, mediator, message):
         """`mediator`'s body came back from its start with `message`."""

@@ -263,13 +263,8 @@ class GenWorker(hotpath.GenCore):
     # `GenWorker(mediator, gen, state)`: GenCore's; its context is a copy of the caller's, with
     # the body's save state `state` entered there (`.save()` saves into it), its `home` the
     # greenlet that runs the model, and resumes the body. It ends the body (`end()`: `dead`, the
-    # save state left) before `returned`/`failed`.
-
-    def returned(self, values):
-        """`switch`'s end when the body returned its final locals `values`."""
-        mediator, self.mediator = self.mediator, None  # (no cycle left)
-        mediator.fn.finish(values)
-        return DONE
+    # save state left) before `returned` (GenCore's: the job's `finish(values)`, DONE) or
+    # `failed`.
 
     def failed(self, error):
         """`switch`'s end when the body raised `error`."""
@@ -344,9 +339,8 @@ class GeneratorMediator(Mediator):
 
     __slots__ = ()
 
-    def start(self, pool=None):
-        gen, state = self.fn.generator()
-        return self.start_generator(GenWorker(self, gen, state), pool)
+    # `start(pool)`: the job's `generator()` started on a GenWorker made for it (C, no frame)
+    start = hotpath.MediatorCore.start_generator_job
 
     def cancel(self):
         worker = self.worker
@@ -416,4 +410,4 @@ class AuditMediator(Mediator):
 
 
 hotpath.configure(getcurrent, _is_grad_enabled, _set_grad_enabled, _new_worker, idle_workers,
-                  _enter_body, _exit_body)
+                  _enter_body, _exit_body, GenWorker)
