@@ -56,7 +56,9 @@ class Engine:
         self.ran_alone = 0  # batched runs whose items ran alone instead
         self.lock = threading.Lock()
         self.owner = None  # thread ident of the running trace
-        self._running = None  # the running Interleaver (whatever thread runs it): `running`
+        # The running general Interleaver (whatever thread runs it), or None: `running` less
+        # its express check, for a caller that has seen `express` is None (a body's reads)
+        self.general_run = None
         self.express = None  # the express run in progress, until it hands over (express.py)
         self._express = None  # this engine's Express (made at its first express run)
         self._bystander = None  # `running` for other threads during an express run
@@ -83,7 +85,7 @@ class Engine:
         checks tell them why nothing can be read there."""
         express = self.express
         if express is None:
-            return self._running
+            return self.general_run
         if self.owner == threading.get_ident():
             return express.hand_over()
         if self._bystander is None:
@@ -92,7 +94,7 @@ class Engine:
 
     @running.setter
     def running(self, interleaver):
-        self._running = interleaver
+        self.general_run = interleaver
 
     def active(self):
         """The interleaver running a trace of this model in *this* thread, if any."""

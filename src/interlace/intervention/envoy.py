@@ -331,8 +331,8 @@ class Envoy:
         fields = self.__dict__
         engine = fields["_engine"]
         # an express run serves the read itself (express.py), else the running trace
-        # (`_running`: `Engine.running` less its express check, made here already)
-        interleaver = engine.express or engine._running
+        # (`general_run`: `Engine.running` less its express check, made here already)
+        interleaver = engine.express or engine.general_run
         if interleaver is not None:
             if name == "output":
                 if type(self).output is _OUTPUT:
@@ -351,7 +351,7 @@ class Envoy:
     def __interlace_write__(self, name, value):
         """`self.<name> = value` in a generator body (see `__interlace_read__`)."""
         engine = self._engine
-        interleaver = engine.express or engine._running  # (see `__interlace_read__`)
+        interleaver = engine.express or engine.general_run  # (see `__interlace_read__`)
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
             setattr(self, name, value)
             return Ready(None)

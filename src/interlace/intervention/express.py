@@ -205,7 +205,7 @@ class Express:
             self.interleaver = self.last_write = self.engine = None
             self.served.clear()
             self.want = self.serving = _NONE
-            engine._running = None
+            engine.general_run = None
             engine.owner = None
             engine.lock.release()
             if eager is not None:
@@ -447,7 +447,7 @@ class Express:
         self.interleaver = interleaver
         self.want = _NONE
         engine.express = None
-        engine._running = interleaver
+        engine.general_run = interleaver
         if self.dead:
             mediator.finished = True
             return interleaver

@@ -15,6 +15,7 @@ values it saved. Built on the tracer core's deferred-body API (`Tracer.defer`):
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from ..intervention import routes
@@ -129,25 +130,27 @@ class ItemBody:
         `ended_early` or `failed` follows."""
         self.saved = self.iter_rows = self.observers = None
         job = self.job
-        body = job.body  # (made by `decide_route`)
         states = job.states
-        state = self.state = body.state = states.pop() if states else TraceState(None)
-        start = job.generator_start
-        if start is None:  # every item starts from the sweep's one namespace: looked up once
-            start = job.generator_start = body.generator_start()
-        return start[0](*start[1]), state
+        state = self.state = states.pop() if states else TraceState(None)
+        return (job.generator_start or self._generator_start())(), state
+
+    def _generator_start(self):
+        # every item starts from the sweep's one namespace: the body's generator function and
+        # its arguments, looked up once per sweep (`job.body` was made by `decide_route`)
+        function, arguments = self.job.body.generator_start()
+        start = self.job.generator_start = functools.partial(function, *arguments)
+        return start
 
     def finish(self, values):
         # (`__call__`'s `finally` does the same inline: a Python call per item less there.)
         # `values` are the generator's final locals: its hidden parameters are among them,
         # but `results` picks only names the body assigns, so they need not be dropped.
-        body = self.job.body
+        job = self.job
         state = self.state
         self.state = None
-        body.state = state
-        self.saved = body.results(values)
+        self.saved = job.body.results(values, state)
         state.saved.clear()
-        self.job.states.append(state)
+        job.states.append(state)
 
     def ended_early(self, signal):
         self.finish(self.job.body.locals_at(signal))

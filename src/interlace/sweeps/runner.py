@@ -72,7 +72,7 @@ class Job:
         self.body = None  # the body's DeferredBody, shared by the items (body.ItemBody)
         self.states = []  # save states of finished items, for the next items (body.ItemBody)
         self.route_block = UNDECIDED  # the body's Block if items may run as generators, else None
-        self.generator_start = None  # the body's generator function and arguments (body.ItemBody)
+        self.generator_start = None  # what starts the body as a generator, once made (body.ItemBody)
 
     def entries(self, model, items):
         """`items` as Entries (each with its inputs and batch key), made lazily; an item whose

@@ -160,11 +160,13 @@ class DeferredBody(_native.frames.DeferredBase):
             del result[name]
         return result
 
-    def results(self, values: dict) -> dict:
+    def results(self, values: dict, state=None) -> dict:
         """What `push` writes of the body's final locals `values`: every name the body
         assigns when the trace is nested in another (the enclosing body goes on with them),
-        else only the saved ones."""
-        state = self.state
+        else only the saved ones. `state`: the save state the body ran in (default: `state`;
+        a caller running one body in many states passes the one this run had)."""
+        if state is None:
+            state = self.state
         return _pick(values, self.block.assigned_names, None if state.depth else state.saved)
 
     def push(self, values: dict) -> dict:
