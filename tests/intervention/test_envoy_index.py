@@ -32,3 +32,19 @@ def test_int_index_without_gaps(mlp, mlp_model):
     assert mlp_model[3] is mlp_model[3]
     with pytest.raises(IndexError, match=r"model has 5 submodule\(s\); index -6 is out of range"):
         mlp_model[-6]
+
+
+def test_int_index_follows_a_slot_replaced_through_the_envoy_or_the_module():
+    # `h[i]` keeps its Envoys between calls: a slot set through the Envoy (or on the module)
+    # gives the new module's Envoy at once, not the one kept.
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    model = interlace.Model(layers)
+    before = model[2]
+    assert model[2] is before and before._module is layers[2]
+    replacement = torch.nn.Linear(2, 2)
+    setattr(model, "2", replacement)
+    assert model[2]._module is replacement and model[2] is not before
+    other = torch.nn.Linear(2, 2)
+    layers[2] = other
+    assert model[2]._module is other and model[-1]._module is other
+    assert [e._module for e in model] == list(layers)

@@ -125,12 +125,14 @@ class Envoy:
             setattr(self._module, name, value)
             self.__dict__.pop(name, None)  # a cached child Envoy of that name is stale now
             self._children.pop(name, None)
+            self.__dict__.pop("_positions", None)  # (and `h[i]`'s Envoys)
 
     # `envoy[i]` on a ModuleList or Sequential: (a copy of its `_modules`, the names of its
-    # non-empty slots in order), so that `h[i]` finds its name with one dict comparison
-    # (identity per slot) instead of scanning the slots for None and listing the names.
-    # Those containers renumber (a new dict) or change a slot's module on every edit torch
-    # offers, which the comparison sees; other modules list their names on each call.
+    # non-empty slots in order, their Envoys once looked up), so that `h[i]` finds its child
+    # with one dict comparison (identity per slot) instead of scanning the slots for None and
+    # listing the names. Those containers renumber (a new dict) or change a slot's module on
+    # every edit torch offers, which the comparison sees (and a child set through the Envoy
+    # drops the copy: `__setattr__`); other modules list their names on each call.
     _positions = None
 
     def __getitem__(self, key):
@@ -142,12 +144,13 @@ class Envoy:
             if positions is None or positions[0] != modules:
                 positions = _index_positions(self, modules)
             try:
-                name = positions[1][key]
+                child = positions[2][key]
             except IndexError:
                 pass  # the message below
             else:
-                child = fields["_children"].get(name)
-                return self._child(name) if child is None else child
+                if child is None:
+                    child = positions[2][key] = self._child(positions[1][key])
+                return child
         names = [n for n, m in module._modules.items() if m is not None]
         if isinstance(key, slice):
             return [self._child(n) for n in names[key]]
@@ -447,8 +450,15 @@ class Attached(Envoy):
 
 
 def _index_positions(envoy, modules):
-    """`envoy._positions` made from `modules` now (kept for ModuleList and Sequential)."""
-    positions = (dict(modules), tuple(n for n, m in modules.items() if m is not None))
+    """`envoy._positions` made from `modules` now (kept for ModuleList and Sequential). A
+    child Envoy kept for a slot whose module changed (set on the torch module) is dropped."""
+    fields = envoy.__dict__
+    children = fields["_children"]
+    for name in [n for n, child in children.items() if modules.get(n) is not child._module]:
+        del children[name]
+        fields.pop(name, None)
+    names = tuple(n for n, m in modules.items() if m is not None)
+    positions = (dict(modules), names, [None] * len(names))
     if isinstance(envoy._module, (torch.nn.ModuleList, torch.nn.Sequential)):
         object.__setattr__(envoy, "_positions", positions)
     return positions
