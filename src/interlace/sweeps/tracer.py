@@ -176,7 +176,11 @@ class SweepTracer(IterMixin, Tracer):
         # (`general_run` is `running` when no express run is on: a property call less per item)
         interleaver = engine.general_run if engine.express is None else engine.running
         mediator = None if interleaver is None else interleaver.current
-        if mediator is None or not runs_here(mediator):  # not the item's own code
+        if mediator is not None and runs_here(mediator):  # the item's own code (the common case)
+            fn = mediator.fn
+            if type(fn) is ItemBody and fn.job.tracer is self:
+                return fn
+        else:
             interleaver = engine.active()
             mediator = None if interleaver is None else interleaver.enclosing()
         if mediator is None:
