@@ -266,8 +266,7 @@ class Express:
         """Set this run's wrapper on module `index` and on the modules containing it that run
         (not the root, whose call this run makes); False, having set none, when one may not
         have it (hooks of its own or global ones, a replaced forward: `hooks._tappable`)."""
-        forward_hooks, pre_hooks, backward_hooks, backward_pre_hooks = GLOBAL_HOOKS
-        if forward_hooks or pre_hooks or backward_hooks or backward_pre_hooks:
+        if any(GLOBAL_HOOKS):
             return False
         state = self.state
         wrapped = self.wrapped
@@ -278,11 +277,9 @@ class Express:
                 continue  # the root, set already, or a container never called (a ModuleList)
             module = state.modules[i]
             instance = module.__dict__
-            if "forward" in instance:
-                return False  # a forward of its own (accelerate's, a user's): the general run
-            for name in _OWN_HOOKS:
-                if instance.get(name):
-                    return False
+            # a forward of its own (accelerate's, a user's) or hooks of its own: the general run
+            if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
+                return False
             cls = type(module)
             cached = self.wrappers.get(i)
             if cached is None or cached[1] is not cls or cached[2] is not cls.forward:
