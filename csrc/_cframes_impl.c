@@ -719,6 +719,16 @@ PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved) {
         PyErr_SetString(PyExc_TypeError, "pick() needs the saved dict (id -> object) or None");
         return NULL;
     }
+    /* A few saved values (the common case): compared by identity, as their ids would be
+       (the saved dict keeps each alive), without making an int per name. */
+    PyObject *few[8];
+    Py_ssize_t nfew = -1;
+    if (saved != Py_None && PyDict_GET_SIZE(saved) <= 8) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        nfew = 0;
+        while (PyDict_Next(saved, &pos, &k, &v)) few[nfew++] = v;
+    }
     PyObject *out = PyDict_New(), *iter = NULL, *name = NULL;
     if (out == NULL) return NULL;
     if ((iter = PyObject_GetIter(names)) == NULL) goto error;
@@ -737,7 +747,12 @@ PyObject *ilc_pick(PyObject *values, PyObject *names, PyObject *saved) {
             continue;
         }
         int keep = 1;
-        if (saved != Py_None) {            /* saved by identity: its id is the key */
+        if (nfew >= 0) {
+            keep = 0;
+            for (Py_ssize_t i = 0; i < nfew; i++) {
+                if (few[i] == value) { keep = 1; break; }
+            }
+        } else if (saved != Py_None) {     /* saved by identity: its id is the key */
             PyObject *key = PyLong_FromVoidPtr(value);
             keep = key == NULL ? -1 : PyDict_Contains(saved, key);
             Py_XDECREF(key);
