@@ -25,14 +25,15 @@ from ..tracing.tracer import is_interlace_file
 
 
 UNDECIDED = object()
-"""`Job.route_block` before the first item asks (`ItemBody.route_block`)."""
+"""`Job.route_block` before the first item asks (`Job.route`)."""
 
 
 class ItemBody:
     """One item: the runner's entry (its position `index`, the `item`, its forward's `args`
     and `kwargs`, its batch `key`; `runner.Entry` is this class) and the mediator's job that
-    runs the body for it (for its sweep's `job`, with the job's `route_block`). One object per item, made
-    once when the item is drawn, also when its batch runs again (a retry or a run alone).
+    runs the body for it (for its sweep's `job`, with the job's `route_block`). One object
+    per item, made once when the item is drawn, also when its batch runs again (a retry or a
+    run alone).
 
     `saved` is the name -> value mapping of the names the body assigned *and* saved (set when
     the body ends, also when it ends early: a cut-short `iter` loop keeps what it saved;
@@ -81,17 +82,10 @@ class ItemBody:
             interleaver.stop()  # raises StopSignal once the model was told to stop
         raise StopSignal()
 
-    def _deferred(self):
-        job = self.job
-        body = job.body
-        if body is None:  # one deferred body per sweep: items differ only in their save state
-            body = job.body = job.tracer.defer(job.namespace, state=TraceState(None))
-        return body
-
     def __call__(self):
         self.saved = self.iter_rows = self.observers = None  # this run's, not an earlier one's
         job = self.job
-        body = job.body or self._deferred()
+        body = job.body or job.deferred()
         # `run` enters the state it finds; `results` reads it after the other items of the
         # batch have run theirs, so it is set again there. A state is reused once its item
         # has finished (`Job.states`): only its `saved` set is per item, and it is emptied.
@@ -116,15 +110,6 @@ class ItemBody:
 
     # -- the generator route (intervention/routes.py) ----------------------------------------
 
-    def decide_route(self):
-        """The sweep body's Block when items may run as generators; None: on greenlets
-        (decided once per sweep, by its first item: the job must be set)."""
-        job = self.job
-        block = job.route_block
-        if block is UNDECIDED:
-            block = job.route_block = routes.eligible(self._deferred())
-        return block
-
     def generator(self):
         """`__call__`'s body as a generator (its reads are its yields); `finish`,
         `ended_early` or `failed` follows."""
@@ -136,7 +121,7 @@ class ItemBody:
 
     def _generator_start(self):
         # every item starts from the sweep's one namespace: the body's generator function and
-        # its arguments, looked up once per sweep (`job.body` was made by `decide_route`)
+        # its arguments, looked up once per sweep (`job.body` was made by `job.route()`)
         function, arguments = self.job.body.generator_start()
         start = self.job.generator_start = functools.partial(function, *arguments)
         return start

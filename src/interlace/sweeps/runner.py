@@ -39,6 +39,8 @@ from ..errors import BatchingWarning, InterlaceError
 from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
 from ..intervention.access import engine_of, module_of
+from ..intervention import routes
+from ..tracing.save import TraceState
 from .body import UNDECIDED, ItemBody, item_of, name_item
 from .inputs import Inputs, split
 from .results import compact, compact_all
@@ -108,7 +110,7 @@ class Job:
                 name_item(error, index, item)
                 raise
             if route is UNDECIDED:  # (the first item decides the job's route: `run_batch`)
-                route = self._route()
+                route = self.route()
             yield Entry(index, item, args, kwargs, key, self, route)
 
     def _shared_entries(self, prepare, items):
@@ -121,19 +123,28 @@ class Job:
                 value = self.input
                 args, kwargs = split(value, self.kwargs) if isinstance(value, Inputs) else (
                     (value,), self.kwargs)
-                made = (args, kwargs, batch_key(prepare, args, kwargs), self, self._route())
+                made = (args, kwargs, batch_key(prepare, args, kwargs), self, self.route())
             except Exception as error:
                 name_item(error, 0, first)
                 raise
             yield Entry(0, first, *made)
             yield from map(Entry, itertools.count(1), items, *map(itertools.repeat, made))
 
-    def _route(self):
-        """The job's route (an entry's `route_block`: `ItemBody.decide_route`), decided once."""
-        route = self.route_block
-        if route is UNDECIDED:
-            route = ItemBody(0, None, (), {}, None, self).decide_route()
-        return route
+    def deferred(self):
+        """The sweep's one deferred body (its items differ only in their save state), made
+        at the first need."""
+        body = self.body
+        if body is None:
+            body = self.body = self.tracer.defer(self.namespace, state=TraceState(None))
+        return body
+
+    def route(self):
+        """Every item's `route_block`: the body's Block when items may run as generators,
+        None on greenlets (decided once per sweep)."""
+        block = self.route_block
+        if block is UNDECIDED:
+            block = self.route_block = routes.eligible(self.deferred())
+        return block
 
 
 Entry = ItemBody
@@ -228,7 +239,7 @@ def run_batch(model, job, entries):
     # each entry is its item's body (an ItemBody), made by `job.entries` for this job; one
     # made elsewhere (sent to a Ray worker) is given the job here
     if not all(map(operator.is_, map(_JOB, entries), itertools.repeat(job))):
-        block = job._route() if entries else None
+        block = job.route() if entries else None
         for entry in entries:
             entry.job = job
             entry.route_block = block
