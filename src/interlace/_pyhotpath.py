@@ -327,6 +327,25 @@ class GenCore:
             payload = None
 
 
+def envoy_reader(output, policy):
+    """`Envoy.__interlace_read__` (intervention/envoy.py makes it once): a generator body's
+    read `envoy.output` while a run of its model is on (the express run, else the general
+    one: the Envoy's `_engine`) is that run's `reader(2 * _index + 1)`, when `type(envoy)`
+    serves `output` with the Envoy's own property `output`; any other read is
+    `policy(envoy, name)`. (Compiled: the common read with no Python frame.)"""
+
+    def __interlace_read__(envoy, name):
+        if name == "output" and type(envoy).output is output:
+            fields = envoy.__dict__
+            engine = fields["_engine"]
+            run = engine.express or engine.general_run
+            if run is not None:
+                return run.reader(2 * fields["_index"] + 1)
+        return policy(envoy, name)
+
+    return __interlace_read__
+
+
 def runs_here(mediator):
     """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
     body runs on its worker; a generator body (a `GenCore` worker) runs while its generator

@@ -531,3 +531,29 @@ def test_an_envoys_attribute_named_like_a_read_is_the_modules_own_in_a_generator
         assert torch.equal(out, net(x))
     assert kinds[-1] == "GeneratorMediator"
     assert seen == ["the module's own attribute"] * 3
+
+
+def test_an_envoy_subclass_with_its_own_output_is_read_as_its_own_in_a_generator_body():
+    """`.output` in a generator body is served by the compiled read only for an Envoy whose
+    `output` is the Envoy's own property: a subclass's own `output` is read as it is, as a
+    greenlet body reads it."""
+
+    class Labelled(interlace.Envoy):
+        @property
+        def output(self):
+            return "the subclass's own output"
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    model = interlace.Model(net, envoys={"0": Labelled})
+    x = torch.randn(2, 3)
+    kinds = []
+    for _ in range(3):
+        with torch.no_grad(), model.trace(x):
+            kind = interlace.save(_kind(model))
+            label = interlace.save(model[0].output)
+            plain = model[1].output.save()
+        kinds.append(kind)
+        assert label == "the subclass's own output"
+        with torch.no_grad():
+            assert torch.equal(plain, net(x))
+    assert kinds[-1] == "GeneratorMediator"

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from .._native import hotpath
 from ..errors import InterlaceError, NotInTraceError
 from ..tracing.generators import Ready
 from . import attach
@@ -327,10 +328,14 @@ class Envoy:
 
     # -- the same, for a body running as a generator (tracing/generators.py) ------------------
 
-    def __interlace_read__(self, name):
-        """`self.<name>` in a generator body: an iterator that yields while the model has not
-        produced the value yet, and returns it (tracing/generators.py). A subclass's own
-        `output`/`input`/`inputs` is read as it is."""
+    # `__interlace_read__(self, name)`, `self.<name>` in a generator body: an iterator that
+    # yields while the model has not produced the value yet, and returns it
+    # (tracing/generators.py). Its common case, `.output` of a running model, is compiled
+    # (`hotpath.envoy_reader`, set below the class); everything else is `_interlace_read`.
+
+    def _interlace_read(self, name):
+        """`__interlace_read__`'s policy: every read it does not serve itself. A subclass's
+        own `output`/`input`/`inputs` is read as it is."""
         fields = self.__dict__
         engine = fields["_engine"]
         # an express run serves the read itself (express.py), else the running trace
@@ -396,6 +401,7 @@ class Envoy:
 _ENVOY_READS = {name: Envoy.__dict__[name] for name in ("output", "input", "inputs")}
 """The properties `Envoy.__interlace_read__` serves (a subclass's own are read as they are)."""
 _OUTPUT = _ENVOY_READS["output"]
+Envoy.__interlace_read__ = hotpath.envoy_reader(_OUTPUT, Envoy._interlace_read)
 
 
 class Attached(Envoy):
