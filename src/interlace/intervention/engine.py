@@ -323,7 +323,9 @@ def invoke_labels(n):
     return labels
 
 
-_first = operator.itemgetter(0)
+_first = operator.itemgetter(0)  # an invoke's (fn, args, kwargs) parts
+_ARGS = operator.itemgetter(1)
+_KWARGS = operator.itemgetter(2)
 
 
 def _same_inputs(invokes):
@@ -331,10 +333,6 @@ def _same_inputs(invokes):
     _, args, kwargs = invokes[0]
     return (all(map(operator.is_, map(_ARGS, invokes), itertools.repeat(args)))
             and all(map(operator.is_, map(_KWARGS, invokes), itertools.repeat(kwargs))))
-
-
-_ARGS = operator.itemgetter(1)
-_KWARGS = operator.itemgetter(2)
 
 
 def _prepare_all(batcher, invokes):

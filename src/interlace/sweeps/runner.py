@@ -36,10 +36,10 @@ import warnings
 import torch
 
 from ..errors import BatchingWarning, InterlaceError
+from ..intervention import routes
+from ..intervention.access import engine_of, module_of
 from ..intervention.batching import BatchingError
 from ..intervention.edit import replays
-from ..intervention.access import engine_of, module_of
-from ..intervention import routes
 from ..tracing.save import TraceState
 from .body import UNDECIDED, ItemBody, item_of, name_item
 from .inputs import Inputs, split
