@@ -204,3 +204,28 @@ def test_an_items_own_calls_do_not_grow_with_its_batch(model):
             h0 = model.transformer.h[0].output[0].save()
             h1 = model.transformer.h[1].output[0].save()
         assert torch.equal(first[k], h0) and torch.equal(last[k], h1)
+
+
+def test_entries_made_without_their_job_run_as_each_item_alone(gpt2, model, clean_ids, corrupt,
+                                                                monkeypatch):
+    # A Ray worker rebuilds the entries it is sent (no job, no route): `run_batch` gives them
+    # the job's, and each item still equals its trace alone.
+    from interlace.sweeps import runner
+
+    made = runner.Job.entries
+
+    def shipped(self, model_, items):
+        for e in made(self, model_, items):
+            yield Entry(e.index, e.item, e.args, e.kwargs, e.key)
+
+    monkeypatch.setattr(runner.Job, "entries", shipped)
+    with torch.no_grad():
+        clean = [o.clone() for o in _clean(gpt2, clean_ids)]
+    cells = [(layer, pos) for layer in range(2) for pos in range(4)]
+    diff = _patch(model, cells, corrupt, clean, 4)
+    for (layer, pos), value in zip(cells, diff):
+        with torch.no_grad(), model.trace(corrupt):
+            model.transformer.h[layer].output[:, pos] = clean[layer][:, pos]
+            logits = model.lm_head.output[:, -1]
+            alone = (logits[:, A] - logits[:, B]).save()
+        assert torch.equal(value, alone)
