@@ -160,3 +160,48 @@ def test_text_without_tokenizer():
 def test_mask_shape_mismatch(hf_tokenizer):
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 2\) but input_ids has shape \(1, 3\)"):
         inputs.prepare(torch.tensor([[1, 2, 3]]), hf_tokenizer, attention_mask=torch.tensor([[1, 1]]))
+
+
+@pytest.mark.parametrize("form", ["2-D long", "1-D long", "int32", "a non-contiguous view"])
+def test_a_tensor_of_ids_gives_the_batch_its_rows_give_and_a_copy_of_them(form):
+    rows = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    if form == "2-D long":
+        ids = torch.tensor(rows)
+    elif form == "1-D long":
+        ids, rows = torch.tensor(rows[0]), rows[:1]
+    elif form == "int32":
+        ids = torch.tensor(rows, dtype=torch.int32)
+    else:
+        ids = torch.tensor(rows).t().contiguous().t()
+        assert not ids.is_contiguous()
+    before = ids.clone()
+    got = inputs.prepare(ids)
+    ref = inputs.prepare(rows)  # the same ids as lists: row by row, then stacked
+    assert got.keys() == ref.keys()
+    for key in ref:
+        assert torch.equal(got[key], ref[key]) and got[key].dtype == torch.long, key
+    assert inputs.trim(got) is None and inputs.trim(ref) is None
+    got["input_ids"].zero_()  # the model's input edited in place never reaches the user's
+    assert torch.equal(ids, before)
+
+
+def test_invokes_of_one_width_are_stacked_as_given_with_their_rows(hf_tokenizer):
+    """Batches of one width combine into what the same prompts prepared together give,
+    right padding and all (nothing of a batch's own padding is stripped)."""
+    right = {"input_ids": torch.tensor([[5, 6, 0], [7, 8, 9]]), "attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    ids = torch.tensor([[1, 2, 3]])
+    batches = [inputs.prepare(ids), inputs.prepare(right), inputs.prepare([4, 5, 6])]
+    combined, slices = inputs.combine(batches, hf_tokenizer, [inputs.trim(b) for b in batches])
+    assert slices == [slice(0, 1), slice(1, 3), slice(3, 4)]
+    assert combined["input_ids"].tolist() == [[1, 2, 3], [5, 6, 0], [7, 8, 9], [4, 5, 6]]
+    assert combined["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]]
+
+
+def test_a_traced_edit_of_the_input_ids_leaves_the_users_tensor_alone(gpt2_lm):
+    lm = gpt2_lm
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = ids.clone()
+    with torch.no_grad(), lm.trace(ids):
+        seen = lm.transformer.wte.input.clone().save()
+        lm.transformer.wte.input[:] = 0
+    assert torch.equal(seen, before) and torch.equal(ids, before)

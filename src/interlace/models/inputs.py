@@ -55,15 +55,38 @@ def prepare(inputs, tokenizer=None, *, attention_mask=None, strip=False) -> dict
     (`trace(ids, attention_mask=m)`). Raises `ValueError` for empty prompts and `TypeError`
     for forms we do not accept.
     """
+    if type(inputs) is torch.Tensor and attention_mask is None and not strip:
+        return _ids_batch(inputs)  # the common form: one tensor of ids, nothing to pad
     rows = _rows(inputs, tokenizer, attention_mask)
     if strip:
         rows = [_strip(row) for row in rows]
     return _pad(rows, tokenizer)
 
 
+class _Unpadded(dict):
+    """A batch made from a tensor of ids with no mask (`_ids_batch`): it has no padding, so
+    `trim` need not search its mask."""
+
+    __slots__ = ()
+
+
+def _ids_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A tensor of ids (1-D or 2-D) as a batch, what `_rows_from_ids` and `_pad` make of it
+    in two torch ops (the ids a copy, as stacking its rows made them: an in-place edit of
+    the model's input never reaches the user's tensor)."""
+    long = _check_ids(ids, "input_ids")  # (`.long()`: a copy unless they are long already)
+    if long is ids:
+        long = ids.clone(memory_format=torch.contiguous_format)
+    if long.dim() == 1:
+        long = long.unsqueeze(0)
+    return _Unpadded(input_ids=long, attention_mask=torch.ones_like(long))
+
+
 def trim(batch) -> list[dict[str, torch.Tensor]] | None:
     """The rows of `batch` without their own padding, or None when it has none (computed from
     real tensors: a scan batches fake ones, whose masks cannot be searched)."""
+    if type(batch) is _Unpadded:
+        return None
     mask = batch.get("attention_mask")
     try:
         if mask is None or bool(mask.all()):
@@ -80,9 +103,9 @@ def combine(batches, tokenizer=None, trimmed=None) -> tuple[dict[str, torch.Tens
     `trim`) and are left-padded to the longest."""
     if not batches:
         raise ValueError("there are no inputs to batch: give trace() or an invoke() a prompt")
-    keys = set(batches[0])
+    keys = batches[0].keys()
     for batch in batches[1:]:
-        if set(batch) != keys:
+        if batch.keys() != keys:
             raise BatchingError(
                 "cannot batch these invokes: their inputs carry different fields "
                 f"({sorted(keys)} vs {sorted(batch)}); pass the same kind of input to every invoke"
@@ -90,10 +113,17 @@ def combine(batches, tokenizer=None, trimmed=None) -> tuple[dict[str, torch.Tens
     if len(batches) == 1:  # the common case: one prompt batch, already padded
         return dict(batches[0]), [slice(0, batches[0]["input_ids"].shape[0])]
     same = len({batch["input_ids"].shape[1] for batch in batches}) == 1
+    if same:  # one width: each field's batches stacked as given, one op per field
+        slices, start = [], 0
+        for batch in batches:
+            n = batch["input_ids"].shape[0]
+            slices.append(slice(start, start + n))
+            start += n
+        return {key: torch.cat([batch[key] for batch in batches]) for key in keys}, slices
     rows, slices, start = [], [], 0
     for i, batch in enumerate(batches):
         n = batch["input_ids"].shape[0]
-        own = None if same else (trimmed[i] if trimmed is not None else trim(batch))
+        own = trimmed[i] if trimmed is not None else trim(batch)
         rows.extend(own if own is not None else ({k: v[j] for k, v in batch.items()} for j in range(n)))
         slices.append(slice(start, start + n))
         start += n
@@ -336,7 +366,10 @@ class PromptBatcher(Batcher):
         return prepared
 
     def batch(self, prepared):
-        _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
+        if any(p.kwargs for p in prepared):
+            _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
+        else:  # (no invoke passes keywords besides its prompt: nothing to agree on)
+            rest = {}
         combined, _ = combine([p.prompt for p in prepared], self.tokenizer,
                               [getattr(p, "trimmed", None) for p in prepared])
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
