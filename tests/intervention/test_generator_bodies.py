@@ -557,3 +557,94 @@ def test_an_envoy_subclass_with_its_own_output_is_read_as_its_own_in_a_generator
         with torch.no_grad():
             assert torch.equal(plain, net(x))
     assert kinds[-1] == "GeneratorMediator"
+
+
+def test_invokes_that_share_no_variable_run_as_generators_and_equal_each_row_alone(gpt2, gpt2_model, ids):
+    """One generator per invoke once each site has been audited; every invoke sees and edits
+    only its rows, as each row run alone with plain hooks."""
+    model = gpt2_model
+    references = [_reference(gpt2, ids[i:i + 1], zero_mlp1=(i == 1)) for i in range(2)]
+    history = []
+    for _ in range(4):
+        with torch.no_grad(), model.trace() as tracer:
+            with tracer.invoke(ids[:1]):
+                kind_a = interlace.save(_kind(model))
+                mlp_a = model.transformer.h[0].mlp.output.save()
+                logits_a = model.lm_head.output.save()
+            with tracer.invoke(ids[1:]):
+                kind_b = interlace.save(_kind(model))
+                mlp_b = model.transformer.h[0].mlp.output.save()
+                model.transformer.h[1].mlp.output = model.transformer.h[1].mlp.output * 0
+                logits_b = model.lm_head.output.save()
+        history.append((kind_a, kind_b))
+        for (mlp0, logits), mlp, out in zip(references, (mlp_a, mlp_b), (logits_a, logits_b)):
+            assert torch.allclose(mlp, mlp0, atol=1e-6) and torch.allclose(out, logits, atol=1e-5)
+    # (the invokes' sites are audited twice: the trace's body that holds them is compiled
+    # again once the names it assigns are bound in the caller, which makes new sites)
+    assert history == [("AuditMediator",) * 2] * 2 + [("GeneratorMediator",) * 2] * 2
+
+
+def test_invokes_that_share_a_variable_stay_on_greenlets_and_patch(gpt2, gpt2_model, ids):
+    """A later invoke that reads an earlier one's variable waits for it: on greenlets, every run."""
+    model = gpt2_model
+    clean, corrupt = ids[:1], ids[1:]
+    seen = {}
+
+    def grab(m, a, out):
+        seen["h"] = out[0][:, -1].clone()
+
+    def patch(m, a, out):
+        out[0][:, -1] = seen["h"]
+
+    block = gpt2.transformer.h[1]
+    with torch.no_grad():
+        handle = block.register_forward_hook(grab)
+        gpt2(clean)
+        handle.remove()
+        handle = block.register_forward_hook(patch)
+        want = gpt2(corrupt).logits
+        handle.remove()
+    for _ in range(3):
+        with torch.no_grad(), model.trace() as tracer:
+            with tracer.invoke(clean):
+                h = model.transformer.h[1].output[0][:, -1]
+            with tracer.invoke(corrupt):
+                kind = interlace.save(_kind(model))
+                model.transformer.h[1].output[0][:, -1] = h
+                logits = model.lm_head.output.save()
+        assert kind == "Mediator"
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_invokes_meeting_at_a_barrier_run_again_and_again_as_their_first_run(gpt2, gpt2_model, ids):
+    """A barrier's wait between invokes that share no variable (a dict passes the value),
+    run three times: the same patched logits each time, whatever route each site takes."""
+    model = gpt2_model
+    clean, corrupt = ids[:1], ids[1:]
+    seen = {}
+
+    def grab(m, a, out):
+        seen["h"] = out[0][:, 0].clone()
+
+    def patch(m, a, out):
+        out[0][:, 0] = seen["h"]
+
+    with torch.no_grad():
+        handle = gpt2.transformer.h[0].register_forward_hook(grab)
+        gpt2(corrupt)
+        handle.remove()
+        handle = gpt2.transformer.h[1].register_forward_hook(patch)
+        want = gpt2(clean).logits
+        handle.remove()
+    for _ in range(3):
+        box = {}
+        with torch.no_grad(), model.trace() as tracer:
+            barrier = tracer.barrier(2)
+            with tracer.invoke(clean):
+                barrier()
+                model.transformer.h[1].output[0][:, 0] = box["h"]
+                logits = model.lm_head.output.save()
+            with tracer.invoke(corrupt):
+                box["h"] = model.transformer.h[0].output[0][:, 0].clone()
+                barrier()
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)

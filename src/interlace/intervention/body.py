@@ -13,16 +13,17 @@ from .mediator import ENDED_EARLY
 
 
 class BodyJob:
-    """Run `body` (a `DeferredBody`) once, by `run` (default: `body.run`); fill `out`."""
+    """Run `body` (a `DeferredBody`) once, by `run` (default: `body.run`); fill `out`.
+    `takes`: the names it may take from earlier invokes (an invoke's `shadowed`, also read
+    from `run` when that has them); None: unknown."""
 
     __slots__ = ("body", "out", "assigns", "takes", "tracer", "_run", "route_block")
 
-    def __init__(self, body, out, run=None):
+    def __init__(self, body, out, run=None, takes=None):
         self.body = body
         self.out = out  # the body's final locals (shared with later invokes when it ends)
         self.assigns = body.block.assigned_names
-        # names it may take from earlier invokes (an invoke's `shadowed`); None: unknown
-        self.takes = getattr(run, "shadowed", None)
+        self.takes = getattr(run, "shadowed", takes)
         self.tracer = body.tracer
         self._run = body.run if run is None else run
         # the Block whose route decides how this job runs (routes.py); None: on a greenlet

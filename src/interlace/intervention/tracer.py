@@ -319,7 +319,10 @@ class _InterleavingBackend(Backend):
         try:
             if invokes:
                 outs = [{} for _ in invokes]
-                runs = [(_body(inv, out), inv.args, inv.kwargs) for inv, out in zip(invokes, outs)]
+                # no invoke may take a name from an earlier one: each body runs as a plain
+                # body (the generator route, when its site takes it), none through `_SharedGlobals`
+                alone = not any(invoker._deferred.shadowed for invoker in invokes)
+                runs = [(_body(inv, out, alone), inv.args, inv.kwargs) for inv, out in zip(invokes, outs)]
                 tracer._result = engine.interleave(
                     runs, run=tracer._run, batcher=tracer._batcher,
                     backward=block_uses_backward(tracer.block), edits=replays(tracer.model),
@@ -340,10 +343,13 @@ def _untraced():
     """The body of `trace=False`: none (only the wrapper's edits act)."""
 
 
-def _body(tracer, out):
-    """The mediator's job for `tracer`'s body (an invoke's was deferred when it was entered)."""
+def _body(tracer, out, alone=False):
+    """The mediator's job for `tracer`'s body (an invoke's was deferred when it was entered;
+    `alone`: the run's invokes share no variables, so it runs as a plain body)."""
     pending = tracer._deferred if isinstance(tracer, Invoker) else None
     if pending is not None:
+        if alone:
+            return BodyJob(pending.body, out, takes=pending.shadowed)
         return BodyJob(pending.body, out, pending)
     return BodyJob(tracer.defer(), out)
 
