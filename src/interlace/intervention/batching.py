@@ -136,11 +136,7 @@ class Batcher:
         return value
 
     def slices(self, prepared):
-        out, start = [], 0
-        for p in prepared:
-            out.append(slice(start, start + p.rows))
-            start += p.rows
-        return out
+        return rows_slices(map(_ROWS, prepared))
 
     def _combine(self, values, what):
         first = values[0]
@@ -174,6 +170,15 @@ class Batcher:
                     f"across invokes"
                 )
         return first
+
+
+_ROWS = operator.attrgetter("rows")
+
+
+def rows_slices(counts):
+    """One slice per count of rows, consecutive from 0 (no Python step per count)."""
+    ends = list(itertools.accumulate(counts))
+    return list(map(slice, itertools.chain((0,), ends), ends))
 
 
 _SLICES = {}

@@ -341,7 +341,7 @@ def _prepare_all(batcher, invokes):
     input) share one answer: one call per run, not one per item."""
     prepare = batcher.prepare
     if type(batcher).prepare is not Batcher.prepare:
-        return [prepare(args, kwargs) for _, args, kwargs in invokes]
+        return list(map(prepare, map(_ARGS, invokes), map(_KWARGS, invokes)))
     prepared = []
     last_args = last_kwargs = last = None
     for _, args, kwargs in invokes:

@@ -27,6 +27,7 @@ from greenlet import getcurrent
 from .mediator import PARKED, StopSignal
 
 _FN = operator.attrgetter("fn")
+_NOTHING = frozenset()
 MISSING = object()  # no earlier invoke binds the name: the caller's value or a global applies
 WAIT = object()  # the earlier invoke that binds it is still running and has not bound it yet
 
@@ -42,6 +43,9 @@ def shares(mediators):
     assigns = map(getattr, map(_FN, mediators), itertools.repeat("assigns"), itertools.repeat(None))
     if all(map(operator.is_, assigns, itertools.repeat(None))):
         return False  # no body binds names (sweep items): no step per body
+    takes = map(getattr, map(_FN, mediators), itertools.repeat("takes"), itertools.repeat(None))
+    if all(map(operator.eq, takes, itertools.repeat(_NOTHING))):
+        return False  # no body may take a name (invokes that share none): no step per body
     binders = 0
     for mediator in mediators:
         fn = mediator.fn

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import UnknownKeywordError  # re-exported: its home is interlace.errors
-from ..intervention.batching import Batcher, BatchingError, Prepared
+from ..intervention.batching import Batcher, BatchingError, Prepared, rows_slices
+
+_prepared = tuple.__new__  # a Prepared made by one C call (as Batcher.prepare makes them)
 
 ACCEPTED = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
@@ -114,12 +116,10 @@ def combine(batches, tokenizer=None, trimmed=None) -> tuple[dict[str, torch.Tens
         return dict(batches[0]), [slice(0, batches[0]["input_ids"].shape[0])]
     same = len({batch["input_ids"].shape[1] for batch in batches}) == 1
     if same:  # one width: each field's batches stacked as given, one op per field
-        slices, start = [], 0
-        for batch in batches:
-            n = batch["input_ids"].shape[0]
-            slices.append(slice(start, start + n))
-            start += n
-        return {key: torch.cat([batch[key] for batch in batches]) for key in keys}, slices
+        ids = [batch["input_ids"] for batch in batches]
+        slices = rows_slices(map(len, ids))
+        return {key: torch.cat(ids if key == "input_ids" else [batch[key] for batch in batches])
+                for key in keys}, slices
     rows, slices, start = [], [], 0
     for i, batch in enumerate(batches):
         n = batch["input_ids"].shape[0]
@@ -210,15 +210,20 @@ def _rows_from_strings(texts, tokenizer, attention_mask):
 
 
 def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{what} must be integer token ids, got a tensor of dtype {ids.dtype}")
-    if ids.dim() not in (1, 2):
+    dtype = ids.dtype
+    if dtype not in _ID_DTYPES and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        raise TypeError(f"{what} must be integer token ids, got a tensor of dtype {dtype}")
+    shape = ids.shape
+    if len(shape) not in (1, 2):
         raise ValueError(
-            f"{what} must be 1-D (one prompt) or 2-D (batch, tokens), got shape {tuple(ids.shape)}"
+            f"{what} must be 1-D (one prompt) or 2-D (batch, tokens), got shape {tuple(shape)}"
         )
-    if ids.shape[-1] == 0 or ids.shape[0] == 0:
-        raise ValueError(f"{what} is empty (shape {tuple(ids.shape)}): pass at least one token")
+    if not shape[-1] or not shape[0]:
+        raise ValueError(f"{what} is empty (shape {tuple(shape)}): pass at least one token")
     return ids.long()
+
+
+_ID_DTYPES = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 def _rows_from_ids(ids: torch.Tensor, attention_mask):
@@ -357,6 +362,13 @@ class PromptBatcher(Batcher):
         return self._generating
 
     def prepare(self, args, kwargs):
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not self.generate:
+            # the common invoke: one tensor of ids, nothing else to check or pad
+            batch = _ids_batch(args[0])
+            prepared = _prepared(Prepared, ((), {}, batch["input_ids"].shape[0]))
+            prepared.prompt = batch
+            prepared.trimmed = None
+            return prepared
         batch, rest = self.prepare_inputs(*args, **kwargs)
         if not self.generate:  # generate() validates its own keywords
             self.check_forward_kwargs(rest)

@@ -373,7 +373,7 @@ class Tracer(_frames.TracerBase):
         if snapshot:
             namespace = frame.f_locals if frame is not None else self._caller_names()
         if code is None:
-            params = tuple([name for name in block.names if name in namespace])
+            params = tuple(filter(namespace.__contains__, block.names))
         else:
             params = code.co_varnames[: code.co_argcount - 1]  # (the last: LOCALS_PARAM)
         if frame is not None:
@@ -388,7 +388,7 @@ class Tracer(_frames.TracerBase):
             if code is None:
                 code = block.function_code(params, self)
             function = _make_function(code, dict(namespace))
-        arguments = [namespace[name] for name in params]
+        arguments = list(map(namespace.__getitem__, params))
         if snapshot:
             skip.release_locals(frame, namespace)  # the snapshot would keep the caller's locals alive
         result = function(*arguments)
