@@ -69,6 +69,10 @@ def _user_line(mediator):
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<interlace>", 0)
 
 
+_ERROR = operator.attrgetter("error")
+_FINISHED = operator.attrgetter("finished")
+
+
 def _one_generator_route(fns):
     """Do all bodies `fns` share one Block whose route is the generator route?"""
     block = getattr(fns[0], "route_block", None)
@@ -314,7 +318,7 @@ class Interleaver(hotpath.Exchange):
         if self.failure is None and (self.hub.nparked or self.stopper is not None or self.participants):
             self._finish_parked()
         failure = self.failure
-        if failure is None:
+        if failure is None and not all(map(operator.is_, map(_ERROR, self.mediators), itertools.repeat(None))):
             for mediator in self.mediators:
                 if mediator.error is not None:
                     failure, mediator.error = mediator.error, None
@@ -479,9 +483,10 @@ class Interleaver(hotpath.Exchange):
                             other.paused(self, waiter)
 
     def _teardown(self):
-        for mediator in self.mediators:
-            if not mediator.finished:
-                mediator.cancel()
+        if not all(map(_FINISHED, self.mediators)):
+            for mediator in self.mediators:
+                if not mediator.finished:
+                    mediator.cancel()
         if self.handles or self.overrides:
             hooks.remove(self)
         if self.cleanups:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import builtins
 import functools
+import itertools
+import operator
 import sys
 
 from ..errors import InterlaceError
@@ -319,10 +321,15 @@ class _InterleavingBackend(Backend):
         try:
             if invokes:
                 outs = [{} for _ in invokes]
-                # no invoke may take a name from an earlier one: each body runs as a plain
-                # body (the generator route, when its site takes it), none through `_SharedGlobals`
-                alone = not any(invoker._deferred.shadowed for invoker in invokes)
-                runs = [(_body(inv, out, alone), inv.args, inv.kwargs) for inv, out in zip(invokes, outs)]
+                pending = list(map(_DEFERRED, invokes))
+                if not any(map(_SHADOWED, pending)):
+                    # no invoke may take a name from an earlier one: each body runs as a plain
+                    # body (the generator route, when its site takes it), not by its `_InvokeRun`
+                    jobs = map(BodyJob, map(_BODY, pending), outs, itertools.repeat(None),
+                               map(_SHADOWED, pending))
+                else:
+                    jobs = map(BodyJob, map(_BODY, pending), outs, pending)
+                runs = list(zip(jobs, map(_ARGS, invokes), map(_KWARGS, invokes)))
                 tracer._result = engine.interleave(
                     runs, run=tracer._run, batcher=tracer._batcher,
                     backward=block_uses_backward(tracer.block), edits=replays(tracer.model),
@@ -343,15 +350,12 @@ def _untraced():
     """The body of `trace=False`: none (only the wrapper's edits act)."""
 
 
-def _body(tracer, out, alone=False):
-    """The mediator's job for `tracer`'s body (an invoke's was deferred when it was entered;
-    `alone`: the run's invokes share no variables, so it runs as a plain body)."""
-    pending = tracer._deferred if isinstance(tracer, Invoker) else None
-    if pending is not None:
-        if alone:
-            return BodyJob(pending.body, out, takes=pending.shadowed)
-        return BodyJob(pending.body, out, pending)
-    return BodyJob(tracer.defer(), out)
+# an invoke's parts, read without a Python step per invoke (run_invokes)
+_DEFERRED = operator.attrgetter("_deferred")  # its `_InvokeRun`, made when its `with` was entered
+_SHADOWED = operator.attrgetter("shadowed")
+_BODY = operator.attrgetter("body")
+_ARGS = operator.attrgetter("args")
+_KWARGS = operator.attrgetter("kwargs")
 
 
 def traceable(method):
