@@ -19,6 +19,8 @@ plus each invoke's row slice) and `position_ids` (from a mask) are plain functio
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +29,10 @@ from ..errors import UnknownKeywordError  # re-exported: its home is interlace.e
 from ..intervention.batching import Batcher, BatchingError, Prepared, rows_slices
 
 _prepared = tuple.__new__  # a Prepared made by one C call (as Batcher.prepare makes them)
+_IDS = operator.itemgetter("input_ids")
+_KEYS = operator.methodcaller("keys")
+_KWARGS = operator.attrgetter("kwargs")
+_PROMPT = operator.attrgetter("prompt")
 
 ACCEPTED = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
@@ -106,20 +112,19 @@ def combine(batches, tokenizer=None, trimmed=None) -> tuple[dict[str, torch.Tens
     if not batches:
         raise ValueError("there are no inputs to batch: give trace() or an invoke() a prompt")
     keys = batches[0].keys()
-    for batch in batches[1:]:
-        if batch.keys() != keys:
-            raise BatchingError(
-                "cannot batch these invokes: their inputs carry different fields "
-                f"({sorted(keys)} vs {sorted(batch)}); pass the same kind of input to every invoke"
-            )
+    if not all(map(operator.eq, map(_KEYS, batches), itertools.repeat(keys))):
+        batch = next(b for b in batches if b.keys() != keys)
+        raise BatchingError(
+            "cannot batch these invokes: their inputs carry different fields "
+            f"({sorted(keys)} vs {sorted(batch)}); pass the same kind of input to every invoke"
+        )
     if len(batches) == 1:  # the common case: one prompt batch, already padded
         return dict(batches[0]), [slice(0, batches[0]["input_ids"].shape[0])]
-    same = len({batch["input_ids"].shape[1] for batch in batches}) == 1
-    if same:  # one width: each field's batches stacked as given, one op per field
-        ids = [batch["input_ids"] for batch in batches]
-        slices = rows_slices(map(len, ids))
-        return {key: torch.cat(ids if key == "input_ids" else [batch[key] for batch in batches])
-                for key in keys}, slices
+    ids = list(map(_IDS, batches))
+    if len(set(map(torch.Tensor.size, ids, itertools.repeat(1)))) == 1:
+        # one width: each field's batches stacked as given, one op per field (no step per batch)
+        return {key: torch.cat(ids if key == "input_ids" else list(map(operator.itemgetter(key), batches)))
+                for key in keys}, rows_slices(map(len, ids))
     rows, slices, start = [], [], 0
     for i, batch in enumerate(batches):
         n = batch["input_ids"].shape[0]
@@ -378,12 +383,12 @@ class PromptBatcher(Batcher):
         return prepared
 
     def batch(self, prepared):
-        if any(p.kwargs for p in prepared):
+        if any(map(_KWARGS, prepared)):
             _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
         else:  # (no invoke passes keywords besides its prompt: nothing to agree on)
             rest = {}
-        combined, _ = combine([p.prompt for p in prepared], self.tokenizer,
-                              [getattr(p, "trimmed", None) for p in prepared])
+        combined, _ = combine(list(map(_PROMPT, prepared)), self.tokenizer,
+                              list(map(getattr, prepared, itertools.repeat("trimmed"), itertools.repeat(None))))
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
