@@ -37,7 +37,8 @@ class BodyJob:
         in): `finish(values)`, `ended_early(signal)` or `failed(error)` follows, as
         `__call__` ends."""
         body = self.body
-        return body.generator(), body.state
+        function, arguments = body.generator_start()  # (`body.generator()`, a frame less)
+        return function(*arguments), body.state
 
     def finish(self, values):
         self.out.update(self.body.generator_locals(values))
