@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections import namedtuple
 from collections.abc import Mapping
 
 import torch
@@ -29,10 +30,23 @@ from ..errors import UnknownKeywordError  # re-exported: its home is interlace.e
 from ..intervention.batching import Batcher, BatchingError, Prepared, rows_slices
 
 _prepared = tuple.__new__  # a Prepared made by one C call (as Batcher.prepare makes them)
+
+
+class PromptPrepared(namedtuple("PromptPrepared", ("args", "kwargs", "rows", "prompt", "trimmed")),
+                     Prepared):
+    """One invoke's inputs as `PromptBatcher.prepare` leaves them: a `Prepared` (no args, the
+    other keywords, the prompt's rows) with the tokenized `prompt` batch and its rows without
+    their own padding (`trimmed`, from `trim`; None: it has none). A named tuple, made by one
+    C call per invoke."""
+
+    __slots__ = ()
+
+
 _IDS = operator.itemgetter("input_ids")
 _KEYS = operator.methodcaller("keys")
 _KWARGS = operator.attrgetter("kwargs")
 _PROMPT = operator.attrgetter("prompt")
+_TRIMMED = operator.attrgetter("trimmed")
 
 ACCEPTED = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
@@ -370,25 +384,19 @@ class PromptBatcher(Batcher):
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not self.generate:
             # the common invoke: one tensor of ids, nothing else to check or pad
             batch = _ids_batch(args[0])
-            prepared = _prepared(Prepared, ((), {}, batch["input_ids"].shape[0]))
-            prepared.prompt = batch
-            prepared.trimmed = None
-            return prepared
+            return _prepared(PromptPrepared, ((), {}, len(batch["input_ids"]), batch, None))
         batch, rest = self.prepare_inputs(*args, **kwargs)
         if not self.generate:  # generate() validates its own keywords
             self.check_forward_kwargs(rest)
-        prepared = Prepared((), rest, batch["input_ids"].shape[0])
-        prepared.prompt = batch
-        prepared.trimmed = trim(batch)  # (now: a scan batches fake tensors)
-        return prepared
+        # (trimmed now: a scan batches fake tensors)
+        return PromptPrepared((), rest, batch["input_ids"].shape[0], batch, trim(batch))
 
     def batch(self, prepared):
         if any(map(_KWARGS, prepared)):
             _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
         else:  # (no invoke passes keywords besides its prompt: nothing to agree on)
             rest = {}
-        combined, _ = combine(list(map(_PROMPT, prepared)), self.tokenizer,
-                              list(map(getattr, prepared, itertools.repeat("trimmed"), itertools.repeat(None))))
+        combined, _ = combine(list(map(_PROMPT, prepared)), self.tokenizer, list(map(_TRIMMED, prepared)))
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
