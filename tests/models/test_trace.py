@@ -108,6 +108,34 @@ def test_invokes_of_different_lengths(lm, hf_model, hf_tokenizer, arch):
     assert not torch.allclose(logits[1, -n1:], plain, atol=1e-3)
 
 
+def test_invokes_of_token_id_tensors_of_any_width_and_form_equal_each_alone(lm, hf_model, hf_tokenizer):
+    """Invokes given tensors of ids (1-D, 2-D, int32), of one width or several, or beside a
+    string, are each the prompt alone; none of them changes the user's tensor."""
+    short, long = (encode(hf_tokenizer, text)[0] for text in PROMPTS[:2])
+    cases = {
+        "one width": [short, short.unsqueeze(0).int(), short.flip(0)],
+        "widths": [short, long.unsqueeze(0), short],
+        "with text": [long, PROMPTS[2], short.unsqueeze(0)],
+    }
+    for name, prompts in cases.items():
+        before = [p.clone() if isinstance(p, torch.Tensor) else p for p in prompts]
+        for _ in range(3):  # (the third run's invokes run as generators)
+            outs = []
+            with torch.no_grad(), lm.trace() as tracer:
+                for prompt in prompts:
+                    with tracer.invoke(prompt):
+                        lm.lm_head.output[:] = lm.lm_head.output * 1  # an in-place edit of each
+                        outs.append(lm.lm_head.output.save())
+            for prompt, out in zip(prompts, outs):
+                ids = prompt if isinstance(prompt, torch.Tensor) else encode(hf_tokenizer, prompt)
+                ids = ids.reshape(1, -1).long()
+                with torch.no_grad():
+                    alone = hf_model(ids).logits
+                torch.testing.assert_close(out[:, -ids.shape[1]:], alone, msg=name)
+        for prompt, kept in zip(prompts, before):
+            assert not isinstance(prompt, torch.Tensor) or (torch.equal(prompt, kept) and prompt.dtype == kept.dtype)
+
+
 def test_envoy_tree_and_fallthrough(lm, arch):
     assert len(layers(lm, arch)) == 2
     assert lm.config.vocab_size == len(lm.tokenizer)

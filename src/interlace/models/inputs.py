@@ -36,8 +36,9 @@ class PromptPrepared(namedtuple("PromptPrepared", ("args", "kwargs", "rows", "pr
                      Prepared):
     """One invoke's inputs as `PromptBatcher.prepare` leaves them: a `Prepared` (no args, the
     other keywords, the prompt's rows) with the tokenized `prompt` batch and its rows without
-    their own padding (`trimmed`, from `trim`; None: it has none). A named tuple, made by one
-    C call per invoke."""
+    their own padding (`trimmed`, from `trim`; None: it has none). A `prompt` given as one
+    tensor of ids is kept as that 2-D tensor (no padding, no mask yet: `batch` makes them).
+    A named tuple, made by one C call per invoke."""
 
     __slots__ = ()
 
@@ -382,9 +383,13 @@ class PromptBatcher(Batcher):
 
     def prepare(self, args, kwargs):
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not self.generate:
-            # the common invoke: one tensor of ids, nothing else to check or pad
-            batch = _ids_batch(args[0])
-            return _prepared(PromptPrepared, ((), {}, len(batch["input_ids"]), batch, None))
+            # the common invoke: one tensor of ids, nothing else to check or pad. Its prompt is
+            # the ids themselves (2-D, perhaps the user's own tensor): `batch` makes the copy
+            # and the mask once for all invokes
+            ids = _check_ids(args[0], "input_ids")
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            return _prepared(PromptPrepared, ((), {}, len(ids), ids, None))
         batch, rest = self.prepare_inputs(*args, **kwargs)
         if not self.generate:  # generate() validates its own keywords
             self.check_forward_kwargs(rest)
@@ -396,7 +401,17 @@ class PromptBatcher(Batcher):
             _, rest = super().batch([Prepared((), p.kwargs, p.rows) for p in prepared])
         else:  # (no invoke passes keywords besides its prompt: nothing to agree on)
             rest = {}
-        combined, _ = combine(list(map(_PROMPT, prepared)), self.tokenizer, list(map(_TRIMMED, prepared)))
+        prompts = list(map(_PROMPT, prepared))
+        if all(map(isinstance, prompts, itertools.repeat(torch.Tensor))) and len(
+                set(map(torch.Tensor.size, prompts, itertools.repeat(1)))) == 1:
+            # every prompt is ids of one width (`prepare`'s common invoke): stacked (a copy,
+            # even of one: an in-place edit of the model's input never reaches the user's
+            # tensor), with one mask of ones
+            ids = torch.cat(prompts)
+            combined = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        else:
+            prompts = [_ids_batch(p) if isinstance(p, torch.Tensor) else p for p in prompts]
+            combined, _ = combine(prompts, self.tokenizer, list(map(_TRIMMED, prepared)))
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
