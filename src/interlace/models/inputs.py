@@ -240,7 +240,7 @@ def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
         )
     if not shape[-1] or not shape[0]:
         raise ValueError(f"{what} is empty (shape {tuple(shape)}): pass at least one token")
-    return ids.long()
+    return ids if dtype is torch.long else ids.long()
 
 
 _ID_DTYPES = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8))
