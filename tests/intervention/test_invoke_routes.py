@@ -141,3 +141,26 @@ def _walk(tb):
 def _line_of(text):
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
+
+
+def test_a_value_without_a_batch_dim_edited_by_one_invoke_stays_its_own_on_every_run(gpt2, gpt2_model):
+    """The position embeddings (1, S, D) are every invoke's: the invoke that zeroes them in
+    place gets its own copy, the other sees them as they are, on every run."""
+    model = gpt2_model
+    zeroed = {gpt2.transformer.wpe: lambda m, a, out: out * 0}
+    want = [_alone(gpt2, IDS[:1], output=zeroed), _alone(gpt2, IDS[1:])]
+    kinds = []
+    for _ in range(RUNS):
+        with torch.no_grad(), model.trace() as tracer:
+            with tracer.invoke(IDS[:1]):
+                model.transformer.wpe.output[:] = 0
+                a = model.lm_head.output.save()
+            with tracer.invoke(IDS[1:]):
+                kind = interlace.save(_kind(model))
+                positions = model.transformer.wpe.output.save()
+                b = model.lm_head.output.save()
+        kinds.append(kind)
+        assert positions.shape[0] == 1 and positions.abs().sum() > 0
+        torch.testing.assert_close(a, want[0]["logits"])
+        torch.testing.assert_close(b, want[1]["logits"])
+    _generators_from_the_third_run(kinds)
