@@ -1166,6 +1166,252 @@ cdef class Tap:
         return getattr(self.original, name)
 
 
+# ---- the express run's mechanism (intervention/express.py has its policy) ----
+
+cdef extern from "Python.h":
+    PyObject *PyWeakref_GetObject(object ref) except NULL
+
+# Where an express run is (`ExpressCore.stage`), in order.
+BODY_START, FORWARD, RETURNED, ROOT_FIRED, RESULT_FIRED = range(5)
+cdef enum:
+    _ROOT_FIRED = 3  # (the two above, for C)
+    _RESULT_FIRED = 4
+
+
+cdef class ExpressCore:
+    """An express run's fields that its wrappers and its reads use per module, and the
+    per-trace steps they take, with no Python frame: `ahead` (can the run serve this key,
+    wrappers set for it), `serve` (send a module's output into the body), `switch` (resume
+    the body), `unwrap`. `intervention.express.Express`
+    subclasses it with the policy: `_wrap(index)` decides whether module `index` (and the
+    modules containing it) may have a wrapper and records the decision as a *plan*
+    (`plans[index]`: a tuple of `(index, module, instance dict, ExpressTap, class, class's
+    forward)`); later runs repeat only the plan's checks (no hooks of the module's own or
+    global ones, no instance `forward`, the class and its `forward` as planned) and set its
+    wrappers; any check that fails asks `_wrap` again. `_ended(values, error)` maps the
+    body's end, `_failed(key)` raises for a body that failed while served, and
+    `_served_over(key, value, message)` finishes a `serve` inside which the run was handed
+    over. A subclass must not list these names in its `__slots__`.
+    """
+
+    cdef public Py_ssize_t want       # the key the waiting body reads next (-1: none)
+    cdef public Py_ssize_t stage      # BODY_START... RESULT_FIRED
+    cdef public Py_ssize_t position   # the learned position of the last value served
+    cdef public Py_ssize_t result_key
+    cdef public object positions      # ModelState.positions (per key, where it occurs)
+    cdef public object interleaver    # the general run, once handed over
+    cdef public object gen            # the body's generator and its contextvars context
+    cdef public object context
+    cdef public object body_grad      # the body's grad mode when it last paused
+    cdef public dict wrapped          # index -> (instance dict, the wrapper this run set)
+    cdef public dict plans            # index -> plan (see the class)
+    cdef public list served           # module output keys served so far, in order (a replay)
+    cdef public Py_ssize_t serving    # the key being served now (-1: none), its value, and
+    cdef public object value          # whether the body replaced it
+    cdef public bint replaced
+    cdef tuple global_hooks
+
+    def __init__(self, tuple global_hooks not None):
+        self.want = -1
+        self.stage = 0
+        self.position = -1
+        self.result_key = 0
+        self.wrapped = {}
+        self.plans = {}
+        self.served = []
+        self.serving = -1
+        self.replaced = False
+        self.global_hooks = global_hooks
+
+    cpdef bint ahead(self, Py_ssize_t key) except -1:
+        """Can this run serve `key` (and are the wrappers for it set)?"""
+        cdef Py_ssize_t result_key = self.result_key
+        cdef int done
+        if key == result_key:
+            return self.stage < _RESULT_FIRED
+        if key & 1 == 0 or key > result_key:
+            return False  # an input (the general run serves them), an added location
+        if key == 1:
+            return self.stage < _ROOT_FIRED
+        places = self.positions[key]
+        if not places or <Py_ssize_t>places[0] <= self.position:
+            return False  # it never runs, or its first occurrence has passed
+        plan = self.plans.get(key >> 1)
+        if plan is not None:
+            done = self.c_wrap(<tuple>plan)
+            if done >= 0:
+                return done
+        return self._wrap(key >> 1)
+
+    cdef int c_wrap(self, tuple plan) except -2:
+        # the plan's wrappers set (1); 0 when global hooks stop it; -1 when Python must decide
+        cdef dict wrapped = self.wrapped
+        cdef dict instance
+        cdef tuple entry
+        for hooks in self.global_hooks:
+            if hooks:
+                return 0
+        for entry in plan:
+            if entry[0] in wrapped:
+                continue
+            instance = <dict>entry[2]
+            if "forward" in instance or type(entry[1]) is not entry[4]:
+                return -1
+            for name in _OWN_HOOKS:
+                if instance.get(name):
+                    return -1
+            if getattr(entry[4], "forward") is not entry[5]:
+                return -1
+        for entry in plan:
+            index = entry[0]
+            if index not in wrapped:
+                instance = <dict>entry[2]
+                instance["forward"] = entry[3]
+                wrapped[index] = (instance, entry[3])
+        return 1
+
+    def begin(self, positions, Py_ssize_t result_key, gen, state):
+        """A run's start: its fields as new, the model's learned `positions` (plans made
+        for other ones forgotten), the body's generator `gen` to run in a copy of the
+        caller's contextvars context with its save state `state` entered there
+        (`enter_body`, see `configure`); returns that token."""
+        if positions is not self.positions:  # learned again: which modules run may differ
+            self.plans.clear()
+            self.positions = positions
+        self.result_key = result_key
+        self.stage = 0
+        self.position = -1
+        self.replaced = False
+        self.gen = gen
+        context = self.context = PyContext_CopyCurrent()
+        PyContext_Enter(context)
+        try:
+            token = _enter_body(state)
+        finally:
+            PyContext_Exit(context)
+        self.body_grad = _is_grad_enabled()
+        return token
+
+    def end(self):
+        """A run's end: the fields let go of the body, its values and the general run."""
+        self.gen = self.context = self.value = self.interleaver = None
+        if self.served:
+            self.served.clear()
+        self.want = self.serving = -1
+
+    def unwrap(self):
+        """Take off every wrapper this run set (one the user replaced since stays)."""
+        cdef dict instance
+        for instance, wrapper in self.wrapped.values():
+            if instance.get("forward") is wrapper:
+                del instance["forward"]
+        self.wrapped.clear()
+
+    def serve(self, Py_ssize_t key, value):
+        """Send `value` (occurrence 0 of `key`) into the waiting body; returns the value as
+        the body left it (a write replaces it). A body that failed: `_failed(key)`."""
+        return self.c_serve(key, value)
+
+    cdef object c_serve(self, Py_ssize_t key, value):
+        self.want = -1
+        if key != 1 and key != self.result_key:
+            self.served.append(key)
+            self.position = self.positions[key][0]
+        self.serving = key
+        self.value = value
+        self.replaced = False
+        message = self.c_switch(value)
+        if self.interleaver is not None:  # handed over while it ran: its policy finishes
+            return self._served_over(key, value, message)
+        self.serving = -1
+        if self.replaced:
+            value = self.value
+        self.value = None
+        if type(message) is int and message < 0:
+            self.want = ~<Py_ssize_t>message
+        elif message == FAILED:
+            self._failed(key)
+        return value
+
+    def switch(self, payload):
+        """Resume the body with `payload` until it reads (yields `~key`) or ends (then
+        `_ended(values, error)`'s message), in its own grad mode and contextvars context.
+        GeneratorExit propagates."""
+        return self.c_switch(payload)
+
+    cdef object c_switch(self, payload):
+        cdef PyObject *out = NULL
+        cdef PySendResult sent
+        model_grad = _is_grad_enabled()
+        if self.body_grad != model_grad:
+            _set_grad_enabled(self.body_grad)
+        try:
+            context = self.context
+            PyContext_Enter(context)
+            try:
+                sent = PyIter_Send(self.gen, payload, &out)
+            finally:
+                PyContext_Exit(context)
+            payload = None
+            if sent == PYGEN_NEXT:
+                return _steal(out)
+            if sent == PYGEN_RETURN:
+                return self._ended(_steal(out), None)
+            try:
+                _raise_current()
+            except GeneratorExit:
+                raise
+            except BaseException as error:  # reported to the model side by the policy
+                return self._ended(None, error)
+        finally:
+            grad = _is_grad_enabled()
+            self.body_grad = grad
+            if grad != model_grad:
+                _set_grad_enabled(model_grad)
+
+
+@cython.final
+cdef class ExpressTap:
+    """Module `key >> 1`'s `forward` for its model's express runs (made once, set per run):
+    calls the forward it wraps, then sends the output into the body when the run waits for
+    it (`run.serve(key, output)`); after a hand-over the output is the general run's event.
+    Holds its run weakly (the run keeps its wrappers); outside a run it is the forward."""
+
+    cdef object ref
+    cdef readonly Py_ssize_t key
+    cdef public object original
+
+    def __init__(self, ref, Py_ssize_t key, original):
+        self.ref = ref
+        self.key = key
+        self.original = original
+
+    def __call__(self, *args, **kwargs):
+        output = self.original(*args, **kwargs)
+        found = <object>PyWeakref_GetObject(self.ref)
+        if found is None:
+            return output
+        run = <ExpressCore?>found
+        if run.want == self.key:
+            return run.c_serve(self.key, output)
+        interleaver = run.interleaver
+        if interleaver is not None:  # handed over: this call's output is its event now
+            replaced = interleaver.hook_event(self.key, False, args, output)
+            if replaced is not None:
+                return replaced
+        return output
+
+    @property
+    def __wrapped__(self):
+        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
+        return self.original
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
+
+# ---- end of the express run ----
+
+
 # ---- call_below (h-sweep: a new worker greenlet's stack starts deep; see _chotpath_impl.c) ----
 
 cdef extern from "_chotpath_impl.h":

@@ -945,6 +945,201 @@ class Tap:
         return getattr(self.original, name)
 
 
+BODY_START, FORWARD, RETURNED, ROOT_FIRED, RESULT_FIRED = range(5)
+"""Where an express run is (`ExpressCore.stage`), in order."""
+
+
+class ExpressCore:
+    """An express run's fields that its wrappers and its reads use per module, and the
+    per-trace steps they take: `ahead` (can the run serve this key, wrappers set for it),
+    `serve` (send a module's output into the body), `switch` (resume the body), `unwrap`. `intervention.express.Express` subclasses it with
+    the policy: `_wrap(index)` decides whether module `index` (and the modules containing it)
+    may have a wrapper and records the decision as a *plan* (`plans[index]`: a tuple of
+    `(index, module, instance dict, ExpressTap, class, class's forward)`); later runs repeat
+    only the plan's checks (no hooks of the module's own or global ones, no instance
+    `forward`, the class and its `forward` as planned) and set its wrappers; any check that
+    fails asks `_wrap` again. `_ended(values, error)` maps the body's end, `_failed(key)`
+    raises for a body that failed while served, and `_served_over(key, value, message)`
+    finishes a `serve` inside which the run was handed over.
+    (The compiled one takes these steps with no Python frame.)
+    """
+
+    __slots__ = ("want", "stage", "position", "result_key", "positions", "interleaver", "gen",
+                 "context", "body_grad", "wrapped", "plans", "served", "serving", "value",
+                 "replaced", "global_hooks")
+
+    def __init__(self, global_hooks):
+        if global_hooks is None:
+            raise TypeError("ExpressCore() needs a tuple of hook dicts, not None")
+        self.want = -1
+        self.stage = 0
+        self.position = -1
+        self.result_key = 0
+        self.positions = self.interleaver = self.gen = self.context = self.body_grad = None
+        self.wrapped = {}
+        self.plans = {}
+        self.served = []
+        self.serving = -1
+        self.value = None
+        self.replaced = False
+        self.global_hooks = global_hooks
+
+    def ahead(self, key):
+        """Can this run serve `key` (and are the wrappers for it set)?"""
+        result_key = self.result_key
+        if key == result_key:
+            return self.stage < RESULT_FIRED
+        if key & 1 == 0 or key > result_key:
+            return False  # an input (the general run serves them), an added location
+        if key == 1:
+            return self.stage < ROOT_FIRED
+        places = self.positions[key]
+        if not places or places[0] <= self.position:
+            return False  # it never runs, or its first occurrence has passed
+        plan = self.plans.get(key >> 1)
+        if plan is not None:
+            done = self._set_plan(plan)
+            if done >= 0:
+                return bool(done)
+        return self._wrap(key >> 1)
+
+    def _set_plan(self, plan):
+        # the plan's wrappers set (1); 0 when global hooks stop it; -1 when Python must decide
+        wrapped = self.wrapped
+        if any(self.global_hooks):
+            return 0
+        for index, module, instance, wrapper, cls, forward in plan:
+            if index in wrapped:
+                continue
+            if "forward" in instance or type(module) is not cls:
+                return -1
+            for name in _OWN_HOOKS:
+                if instance.get(name):
+                    return -1
+            if cls.forward is not forward:
+                return -1
+        for index, module, instance, wrapper, cls, forward in plan:
+            if index not in wrapped:
+                instance["forward"] = wrapper
+                wrapped[index] = (instance, wrapper)
+        return 1
+
+    def begin(self, positions, result_key, gen, state):
+        """A run's start: its fields as new, the model's learned `positions` (plans made
+        for other ones forgotten), the body's generator `gen` to run in a copy of the
+        caller's contextvars context with its save state `state` entered there
+        (`enter_body`, see `configure`); returns that token."""
+        if positions is not self.positions:  # learned again: which modules run may differ
+            self.plans.clear()
+            self.positions = positions
+        self.result_key = result_key
+        self.stage = 0
+        self.position = -1
+        self.replaced = False
+        self.gen = gen
+        context = self.context = copy_context()
+        token = context.run(_configured["enter_body"], state)
+        self.body_grad = _configured["is_grad_enabled"]()
+        return token
+
+    def end(self):
+        """A run's end: the fields let go of the body, its values and the general run."""
+        self.gen = self.context = self.value = self.interleaver = None
+        self.served.clear()
+        self.want = self.serving = -1
+
+    def unwrap(self):
+        """Take off every wrapper this run set (one the user replaced since stays)."""
+        for instance, wrapper in self.wrapped.values():
+            if instance.get("forward") is wrapper:
+                del instance["forward"]
+        self.wrapped.clear()
+
+    def serve(self, key, value):
+        """Send `value` (occurrence 0 of `key`) into the waiting body; returns the value as
+        the body left it (a write replaces it). A body that failed: `_failed(key)`."""
+        self.want = -1
+        if key != 1 and key != self.result_key:
+            self.served.append(key)
+            self.position = self.positions[key][0]
+        self.serving = key
+        self.value = value
+        self.replaced = False
+        message = self.switch(value)
+        if self.interleaver is not None:  # handed over while it ran: its policy finishes
+            return self._served_over(key, value, message)
+        self.serving = -1
+        if self.replaced:
+            value = self.value
+        self.value = None
+        if type(message) is int and message < 0:
+            self.want = ~message
+        elif message == FAILED:
+            self._failed(key)
+        return value
+
+    def switch(self, payload):
+        """Resume the body with `payload` until it reads (yields `~key`) or ends (then
+        `_ended(values, error)`'s message), in its own grad mode and contextvars context.
+        GeneratorExit propagates."""
+        is_grad_enabled, set_grad_enabled = _configured["is_grad_enabled"], _configured["set_grad_enabled"]
+        model_grad = is_grad_enabled()
+        if self.body_grad != model_grad:
+            set_grad_enabled(self.body_grad)
+        try:
+            return self.context.run(self.gen.send, payload)
+        except StopIteration as end:
+            return self._ended(end.value, None)
+        except GeneratorExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - reported to the model side by the policy
+            return self._ended(None, error)
+        finally:
+            payload = None
+            grad = is_grad_enabled()
+            self.body_grad = grad
+            if grad != model_grad:
+                set_grad_enabled(model_grad)
+
+
+class ExpressTap:
+    """Module `key >> 1`'s `forward` for its model's express runs (made once, set per run):
+    calls the forward it wraps, then sends the output into the body when the run waits for
+    it (`run.serve(key, output)`); after a hand-over the output is the general run's event.
+    Holds its run weakly (the run keeps its wrappers); outside a run it is the forward."""
+
+    __slots__ = ("ref", "key", "original")
+
+    def __init__(self, ref, key, original):
+        self.ref = ref
+        self.key = key
+        self.original = original
+
+    def __call__(self, *args, **kwargs):
+        output = self.original(*args, **kwargs)
+        run = self.ref()
+        if run is None:
+            return output
+        if run.want == self.key:
+            return run.serve(self.key, output)
+        interleaver = run.interleaver
+        if interleaver is not None:  # handed over: this call's output is its event now
+            replaced = interleaver.hook_event(self.key, False, args, output)
+            if replaced is not None:
+                return replaced
+        return output
+
+    @property
+    def __wrapped__(self):
+        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
+        return self.original
+
+    def __getattr__(self, name):
+        if name in ExpressTap.__slots__:  # not set yet: no recursion through `self.original`
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+
 def call_below(depth, fn):
     """Return fn(): the compiled twin reserves `depth` bytes of C stack below the caller
     first (a greenlet started there runs below a forward that resumes it; mediator.py)."""

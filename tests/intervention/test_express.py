@@ -243,6 +243,39 @@ def test_a_module_with_a_hook_of_its_own_hands_over_and_keeps_it(gpt2, gpt2_mode
     _clean(gpt2)
 
 
+@pytest.mark.parametrize("change", ["container's hook", "class forward"])
+def test_a_warm_run_checks_its_wrappers_plan_again(gpt2, gpt2_model, ids, runs, monkeypatch, change):
+    """A warm express run repeats only the checks of the wrappers it planned on its first
+    read of a location (hotpath.ExpressCore.ahead): a hook added since on a module that
+    contains the one read, or the class's forward patched, must still be seen."""
+    block, mlp = gpt2.transformer.h[0], gpt2.transformer.h[0].mlp
+    for _ in range(3):  # the audit, then warm runs that keep the plan for h[0].mlp
+        with torch.no_grad(), gpt2_model.trace(ids):
+            gpt2_model.transformer.h[0].mlp.output.save()
+    assert runs["express"] >= 2 and runs["handed over"] == 0
+    calls = []
+    if change == "container's hook":
+        handle = block.register_forward_hook(lambda m, a, o: calls.append(1))
+        undo = handle.remove
+    else:
+        forward = type(mlp).forward
+        monkeypatch.setattr(type(mlp), "forward", lambda self, x: forward(self, x) * 2)
+        undo = lambda: None  # noqa: E731 - monkeypatch puts the class's forward back
+    try:
+        seen, logits = _hooked(gpt2, ids, ["transformer.h.0.mlp"])
+        calls.clear()
+        for _ in range(2):
+            with torch.no_grad(), gpt2_model.trace(ids):
+                out = gpt2_model.transformer.h[0].mlp.output.save()
+                got = gpt2_model.output.save()
+            assert torch.equal(out, seen["transformer.h.0.mlp"]) and torch.equal(got.logits, logits)
+    finally:
+        undo()
+    if change == "container's hook":
+        assert len(calls) == 2 and runs["handed over"] >= 1  # the general run keeps the hook
+    _clean(gpt2)
+
+
 def test_grad_mode_is_the_bodys_across_a_read_and_the_models_after(gpt2_model, ids, runs):
     for _ in range(3):
         with gpt2_model.trace(ids):

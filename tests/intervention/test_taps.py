@@ -257,7 +257,7 @@ def _tapped(module):
     """Has `module` a forward wrapper of a run (a Tap; an express run's wrapper, express.py)
     on its instance, rather than a torch hook?"""
     forward = module.__dict__.get("forward")
-    return type(forward) is hotpath.Tap or getattr(forward, "__qualname__", "").startswith("Express.")
+    return type(forward) in (hotpath.Tap, hotpath.ExpressTap)
 
 
 def _nothing():

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from contextvars import copy_context
 
 
 from greenlet import getcurrent
@@ -54,10 +53,7 @@ from .mediator import (
     Cancelled,
     GeneratorMediator,
     GenWorker,
-    _enter_body,
     _exit_body,
-    _is_grad_enabled,
-    _set_grad_enabled,
     close_generator_body,
 )
 
@@ -69,34 +65,35 @@ _HANDOVER = object()  # sent into a body waiting in `generator_read`: ask the ge
 _NONE = -1  # no key
 
 # Where a run is (`stage`): what has happened, for the hand-over's replay and continuation.
-_BODY_START, _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = range(5)
+_BODY_START, _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = (
+    hotpath.BODY_START, hotpath.FORWARD, hotpath.RETURNED, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED)
 
 
-class Express:
+class Express(hotpath.ExpressCore):
     """One model's express runs (one at a time: the engine's lock), and the hand-over.
 
     A run drives the body's generator itself (what `GenWorker` and `BodyJob` do for the
     general run: its own context and save state, its final locals into `out`); the
-    hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same.
+    hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same. The
+    steps a run takes per module (its wrappers, `ahead`, `switch`) are `hotpath.ExpressCore`'s
+    mechanism; this class decides which modules may have a wrapper (`_wrap`) and everything
+    else.
     """
 
     __slots__ = (
-        "engine", "state", "positions", "result_key", "body", "out", "gen", "context", "token",
-        "dead", "worker", "body_grad", "error",
-        "stage", "want", "serving", "value", "replaced", "position", "served", "wrapped",
-        "interleaver", "event", "last_write", "cut", "wrappers", "__weakref__",
+        "engine", "state", "body", "out", "token", "dead", "worker", "error",
+        "event", "last_write", "cut", "wrappers",
+        "__weakref__",
     )
 
     def __init__(self, state):
+        super().__init__(GLOBAL_HOOKS)
         self.engine = None  # the engine, during a run (kept only then: no cycle through it)
         self.state = state
-        self.body = self.out = self.gen = self.context = self.token = None
-        self.worker = self.error = self.value = self.interleaver = None
+        self.body = self.out = self.token = None
+        self.worker = self.error = None
         self.event = self.last_write = None
-        self.served = []  # module outputs served so far in this run, in order (the replay)
-        self.wrapped = {}  # module index -> (its instance dict, the wrapper this run set)
         self.wrappers = {}  # module index -> (its wrapper, the class and forward it wraps)
-        self.want = self.serving = _NONE
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -106,21 +103,15 @@ class Express:
         this thread, which this releases."""
         self.engine = engine
         state = self.state
-        self.positions = state.positions
-        self.result_key = state.result_key
         self.body = body
         self.out = out
-        self.stage = _BODY_START
-        self.position = -1
-        self.replaced = self.cut = self.dead = False
+        self.cut = self.dead = False
         eager = compiled.force_eager()
         try:
-            self.gen = body.generator()
-            context = self.context = copy_context()  # the body's contextvars are its own
-            self.token = context.run(_enter_body, body.state)  # `.save()` saves there
-            self.body_grad = _is_grad_enabled()
+            # the body's contextvars are its own, and `.save()` saves into its save state
+            self.token = self.begin(state.positions, state.result_key, body.generator(), body.state)
             engine.express = self
-            message = self._switch(None)  # the body, up to its first read
+            message = self.switch(None)  # the body, up to its first read
             if self.interleaver is not None:
                 return self._general_from_start(message, args, kwargs)
             if message == FAILED:
@@ -195,16 +186,14 @@ class Express:
             if interleaver is not None:
                 interleaver._teardown()
             else:
-                self._unwrap()
+                self.unwrap()
                 if self.gen is not None and not self.dead:  # (the model raised while it waited)
                     self.dead = True
                     close_generator_body(self.gen, self.context, self.token)
         finally:
-            self.body = self.out = self.gen = self.context = self.token = None
-            self.worker = self.value = self.error = self.event = None
-            self.interleaver = self.last_write = self.engine = None
-            self.served.clear()
-            self.want = self.serving = _NONE
+            self.end()
+            self.body = self.out = self.token = self.worker = self.error = self.event = None
+            self.last_write = self.engine = None
             engine.general_run = None
             engine.owner = None
             engine.lock.release()
@@ -224,7 +213,7 @@ class Express:
                 if value is _READ:
                     return self.value
                 return self._written(key, value)
-            if self._ahead(key):
+            if self.ahead(key):
                 got = yield ~key
                 if got is not _HANDOVER:
                     if value is _READ:
@@ -249,144 +238,74 @@ class Express:
         self.replaced = True
         return None
 
-    def _ahead(self, key):
-        """Can this run serve `key` (and has it set the wrappers for it)?"""
-        if key == self.result_key:
-            return self.stage < _RESULT_FIRED
-        if key & 1 == 0 or key > self.result_key:
-            return False  # an input (the general run serves them), an added location
-        if key == 1:
-            return self.stage < _ROOT_FIRED
-        places = self.positions[key]
-        if not places or places[0] <= self.position:
-            return False  # it never runs, or its first occurrence has passed
-        return self._wrap(key >> 1)
-
     def _wrap(self, index):
         """Set this run's wrapper on module `index` and on the modules containing it that run
-        (not the root, whose call this run makes); False, having set none, when one may not
-        have it (hooks of its own or global ones, a replaced forward: `hooks._tappable`)."""
+        (not the root, whose call this run makes), and keep the decision as `plans[index]`
+        for later runs (`ExpressCore.ahead` repeats only its checks); False, having set none,
+        when one may not have it (hooks of its own or global ones, a replaced forward:
+        `hooks._tappable`)."""
+        self.plans.pop(index, None)
         if any(GLOBAL_HOOKS):
             return False
         state = self.state
-        wrapped = self.wrapped
         visits = state.visits
-        todo = None
+        wrapped = self.wrapped
+        plan = []
         for i in state.ancestors[index] + (index,):
-            if i == 0 or i in wrapped or not visits[2 * i + 1]:
-                continue  # the root, set already, or a container never called (a ModuleList)
+            if i == 0 or not visits[2 * i + 1]:
+                continue  # the root, or a container never called (a ModuleList)
             module = state.modules[i]
             instance = module.__dict__
+            cached = self.wrappers.get(i)
+            if i in wrapped:  # set already in this run (for another key): checked then
+                plan.append((i, module, instance, cached[0], cached[1], cached[2]))
+                continue
             # a forward of its own (accelerate's, a user's) or hooks of its own: the general run
             if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
                 return False
             cls = type(module)
-            cached = self.wrappers.get(i)
-            if cached is None or cached[1] is not cls or cached[2] is not cls.forward:
+            forward = cls.forward
+            if cached is None or cached[1] is not cls or cached[2] is not forward:
                 if not _tappable(instance, cls):
                     return False
-                cached = self.wrappers[i] = (self._wrapper(2 * i + 1, module.forward), cls, cls.forward)
-            if todo is None:
-                todo = []
-            todo.append((i, instance, cached[0]))
-        if todo is not None:
-            for i, instance, wrapper in todo:
+                tap = hotpath.ExpressTap(weakref.ref(self), 2 * i + 1, module.forward)
+                cached = self.wrappers[i] = (tap, cls, forward)
+            plan.append((i, module, instance, cached[0], cls, forward))
+        plan = self.plans[index] = tuple(plan)
+        for i, _, instance, wrapper, _, _ in plan:
+            if i not in wrapped:
                 instance["forward"] = wrapper
                 wrapped[i] = (instance, wrapper)
         return True
 
-    def _wrapper(self, key, original):
-        """Module `key >> 1`'s forward for express runs (made once, set per run): its output
-        is sent into the body waiting for it; after a hand-over it is the general run's event.
-        Outside a run it is the original forward."""
-        ref = weakref.ref(self)  # (kept by the Express: a strong one would be a cycle)
-
-        def forward(*args, **kwargs):
-            output = original(*args, **kwargs)
-            express = ref()
-            if express is None:
-                return output
-            if express.want == key:
-                return express.serve(key, output)
-            interleaver = express.interleaver
-            if interleaver is not None:  # handed over: this call's output is its event now
-                replaced = interleaver.hook_event(key, False, args, output)
-                if replaced is not None:
-                    return replaced
-            return output
-
-        return forward
-
-    def _unwrap(self):
-        for instance, wrapper in self.wrapped.values():
-            if instance.get("forward") is wrapper:
-                del instance["forward"]
-        self.wrapped.clear()
-
     # -- the model's side ----------------------------------------------------------------------
 
-    def serve(self, key, value):
-        """Send `value` (occurrence 0 of `key`) into the waiting body; returns the value as
-        the body left it (a write replaces it). Raises `_Abort` to end the forward when the
-        body fails in it; after a hand-over inside, the general run's policy decides."""
-        self.want = _NONE
-        if key != 1 and key != self.result_key:
-            self.served.append(key)
-            self.position = self.positions[key][0]
-        self.serving = key
-        self.value = value
-        self.replaced = False
-        message = self._switch(value)
+    def _served_over(self, key, value, message):
+        """`serve`'s end when the run was handed over while the body ran: the general run's
+        event carries the edits, and its policy hears the body's message."""
         interleaver = self.interleaver
-        if interleaver is not None:  # handed over while it ran: its event carries the edits
-            event = self.event
-            mediator = interleaver.mediators[0]
-            interleaver.current = None
-            mediator.event = None
-            if message != PARKED:
-                if message == DONE:
-                    mediator.release(interleaver.pool)
-                elif key == 1 or key == self.result_key:
-                    try:
-                        interleaver._message(mediator, message, event)
-                    except (_Abort, _Stop):
-                        self.cut = True  # (the general run's `_forward` would return None)
-                else:
-                    interleaver._message(mediator, message, event)  # raises: ends the forward
-            return event.value if event.replaced else value
-        self.serving = _NONE
-        if self.replaced:
-            value = self.value
-        self.value = None
-        if message < 0:
-            self.want = ~message
-        elif message == FAILED:
-            if key == 1 or key == self.result_key:
-                self._raise()
-            raise _Abort()
-        return value
+        event = self.event
+        mediator = interleaver.mediators[0]
+        interleaver.current = None
+        mediator.event = None
+        if message != PARKED:
+            if message == DONE:
+                mediator.release(interleaver.pool)
+            elif key == 1 or key == self.result_key:
+                try:
+                    interleaver._message(mediator, message, event)
+                except (_Abort, _Stop):
+                    self.cut = True  # (the general run's `_forward` would return None)
+            else:
+                interleaver._message(mediator, message, event)  # raises: ends the forward
+        return event.value if event.replaced else value
 
-    def _switch(self, payload):
-        """Resume the body with `payload` until it reads (`~key`) or ends (DONE, FAILED),
-        in its own grad mode and context; after a hand-over inside, the general run's
-        message (PARKED...), as `GenWorker.switch` gives it."""
-        model_grad = _is_grad_enabled()
-        if self.body_grad != model_grad:
-            _set_grad_enabled(self.body_grad)
-        try:
-            return self.context.run(self.gen.send, payload)
-        except StopIteration as end:
-            return self._ended(end.value, None)
-        except GeneratorExit:
-            raise
-        except BaseException as error:  # noqa: BLE001 - reported to the model side
-            return self._ended(None, error)
-        finally:
-            payload = None
-            grad = _is_grad_enabled()
-            self.body_grad = grad
-            if grad != model_grad:
-                _set_grad_enabled(model_grad)
+    def _failed(self, key):
+        """The body failed while served `key`: after the root's call, its error; inside the
+        forward, `_Abort` ends it (`run` raises the error then)."""
+        if key == 1 or key == self.result_key:
+            self._raise()
+        raise _Abort()
 
     def _ended(self, values, error):
         """The body returned `values` or raised `error`: its outcome, as the general run's
@@ -439,7 +358,7 @@ class Express:
         if stage >= _RESULT_FIRED:
             hub.position = len(state.order)
             hub.fire(self.result_key)
-        self._unwrap()
+        self.unwrap()
         interleaver.last_write = self.last_write
         self.interleaver = interleaver
         self.want = _NONE
