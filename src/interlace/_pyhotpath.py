@@ -945,8 +945,12 @@ class Tap:
         return getattr(self.original, name)
 
 
-BODY_START, FORWARD, RETURNED, ROOT_FIRED, RESULT_FIRED = range(5)
-"""Where an express run is (`ExpressCore.stage`), in order."""
+# Where an express run is (`ExpressCore.stage`), in order.
+BODY_START = 0
+FORWARD = 1
+RETURNED = 2
+ROOT_FIRED = 3
+RESULT_FIRED = 4
 
 
 class ExpressCore:
