@@ -75,9 +75,9 @@ class Express(hotpath.ExpressCore):
     A run drives the body's generator itself (what `GenWorker` and `BodyJob` do for the
     general run: its own context and save state, its final locals into `out`); the
     hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same. The
-    steps a run takes per module (its wrappers, `ahead`, `switch`) are `hotpath.ExpressCore`'s
-    mechanism; this class decides which modules may have a wrapper (`_wrap`) and everything
-    else.
+    steps a run takes per module (its wrappers, `ahead`, `serve`, `switch`) are
+    `hotpath.ExpressCore`'s mechanism; this class decides which modules may have a wrapper
+    (`_wrap`) and everything else.
     """
 
     __slots__ = (
