@@ -306,6 +306,23 @@ def test_every_probe_is_listed_and_compiles():
             compile(f.read(), path, "exec")
 
 
+def test_every_step_the_steps_probe_wraps_exists():
+    """`probes/steps.py` wraps interlace's functions by name (STEPS); one renamed or moved to
+    the compiled extension must leave the list, or the probe stops at its first trace."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    try:
+        steps = importlib.import_module("steps")
+    finally:
+        sys.path.pop(0)
+    for module_name, path in steps.STEPS:
+        owner = importlib.import_module(module_name)
+        for part in path.split("."):
+            assert hasattr(owner, part), (module_name, path)
+            owner = getattr(owner, part)
+
+
 def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     """`steps.py --cache` sums callgrind's simulated misses per dump: L1 (instruction, data read
     and write) and L2 (the same beyond L2); without the simulation the misses are 0. Fake dumps,
