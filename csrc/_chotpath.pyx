@@ -1171,6 +1171,13 @@ cdef class Tap:
 cdef extern from "Python.h":
     PyObject *PyWeakref_GetObject(object ref) except NULL
 
+cdef extern from *:
+    """
+    /* The running Python frame (borrowed), as a plain object pointer to compare. */
+    static PyObject *ilh_current_frame(void) { return (PyObject *)PyEval_GetFrame(); }
+    """
+    PyObject *ilh_current_frame()
+
 # Where an express run is (`ExpressCore.stage`), in order.
 BODY_START, FORWARD, RETURNED, ROOT_FIRED, RESULT_FIRED = range(5)
 cdef enum:
@@ -1191,7 +1198,9 @@ cdef class ExpressCore:
     wrappers; any check that fails asks `_wrap` again. `_ended(values, error)` maps the
     body's end, `_failed(key)` raises for a body that failed while served, and
     `_served_over(key, value, message)` finishes a `serve` inside which the run was handed
-    over. A subclass must not list these names in its `__slots__`.
+    over; `generator_read(key)` is its read for every case `reader` does not serve, and
+    `_read_over(key)` the general run's read for an `_ExpressRead` waiting at a hand-over
+    (`handover` sent in). A subclass must not list these names in its `__slots__`.
     """
 
     cdef public Py_ssize_t want       # the key the waiting body reads next (-1: none)
@@ -1210,8 +1219,9 @@ cdef class ExpressCore:
     cdef public object value          # whether the body replaced it
     cdef public bint replaced
     cdef tuple global_hooks
+    cdef object handover              # what a hand-over sends into a waiting read
 
-    def __init__(self, tuple global_hooks not None):
+    def __init__(self, tuple global_hooks not None, handover=None):
         self.want = -1
         self.stage = 0
         self.position = -1
@@ -1222,9 +1232,33 @@ cdef class ExpressCore:
         self.serving = -1
         self.replaced = False
         self.global_hooks = global_hooks
+        self.handover = handover
 
-    cpdef bint ahead(self, Py_ssize_t key) except -1:
+    def reader(self, Py_ssize_t key):
+        """Body side: what a generator body's `yield from` runs to read module output `key`
+        (the Envoy's `.output`): when the body reads in its own frame, the value being
+        served now, or a read of a key still ahead (`_ExpressRead`: yields `~key`; the value
+        is `serve`'s); every other case is `generator_read(key)`'s (policy)."""
+        cdef _ExpressRead read
+        gen = self.gen
+        if self.interleaver is None and gen is not None:
+            frame = gen.gi_frame
+            if <PyObject *>frame == ilh_current_frame():
+                if key == self.serving or self.c_ahead(key):
+                    read = _ExpressRead.__new__(_ExpressRead)
+                    read.run = self
+                    read.key = key
+                    read.ready = key == self.serving
+                    return read
+        return self.generator_read(key)
+
+    def ahead(self, Py_ssize_t key):
         """Can this run serve `key` (and are the wrappers for it set)?"""
+        return self.c_ahead(key)
+
+    cdef bint c_ahead(self, Py_ssize_t key) except -1:
+        # (cdef, not cpdef: a cpdef method called from C on a Python subclass's instance
+        # looks itself up by name on every call, to find an override)
         cdef Py_ssize_t result_key = self.result_key
         cdef int done
         if key == result_key:
@@ -1320,7 +1354,7 @@ cdef class ExpressCore:
         self.serving = key
         self.value = value
         self.replaced = False
-        message = self.c_switch(value)
+        message = self.c_switch(None)  # (the waiting read returns `value`, as it is then)
         if self.interleaver is not None:  # handed over while it ran: its policy finishes
             return self._served_over(key, value, message)
         self.serving = -1
@@ -1408,6 +1442,85 @@ cdef class ExpressTap:
 
     def __getattr__(self, name):
         return getattr(self.original, name)
+
+@cython.final
+cdef class _ExpressRead:
+    """One read of module output `key` by an express run's body, as the iterator its
+    `yield from` runs (`ExpressCore.reader`): yields `~key`, and once the run's wrapper has
+    served the key (resuming the body with None), returns the run's `value` (the output as
+    served, or a write's replacement); `ready`: the value is being served now, returned at
+    once. Sent `run.handover` while it waits (the run was handed over), it becomes the
+    general run's read (`run._read_over(key)`) and forwards to it. The Python generator it
+    stands for (`Express.generator_read`) is a generator object and a frame per read."""
+
+    cdef ExpressCore run
+    cdef Py_ssize_t key
+    cdef bint ready
+    cdef bint waiting
+    cdef bint returned    # `step`'s result is the read's value (StopIteration), not a yield
+    cdef object inner     # after a hand-over: the general run's read
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):  # (the type's slot is `_expressread_next`, below: this is for Python)
+        value = self.step(None)
+        if self.returned:
+            raise StopIteration(value)
+        return value
+
+    def send(self, payload):
+        value = self.step(payload)
+        if self.returned:
+            raise StopIteration(value)
+        return value
+
+    cdef object step(self, payload):
+        cdef PyObject *out = NULL
+        cdef PySendResult sent
+        cdef ExpressCore run = self.run
+        if self.inner is not None:
+            sent = PyIter_Send(self.inner, payload, &out)
+            if sent == PYGEN_NEXT:
+                self.returned = False
+                return _steal(out)
+            self.inner = None
+            if sent == PYGEN_RETURN:
+                self.returned = True
+                return _steal(out)
+            _raise_current()
+        if run is None:
+            raise StopIteration  # (already returned)
+        if self.ready:
+            self.run = None
+            self.returned = True
+            return run.value
+        if not self.waiting:
+            self.waiting = True
+            self.returned = False
+            return ~self.key
+        if payload is not None and payload is run.handover:
+            self.run = None
+            self.inner = run._read_over(self.key)
+            return self.step(None)
+        self.run = None
+        self.returned = True
+        return run.value
+
+
+cdef PyObject *_expressread_next(PyObject *self) except NULL:
+    # _ExpressRead's tp_iternext (what `yield from` calls on each resume with None): `step`,
+    # its return set as StopIteration by hand (see `_genread_next`)
+    cdef _ExpressRead read = <_ExpressRead>self
+    value = read.step(None)
+    if not read.returned:
+        Py_INCREF(value)
+        return <PyObject *>value
+    ilh_set_return(value)
+    return NULL
+
+
+(<_TypeSlots *>_ExpressRead).tp_iternext = _expressread_next
 
 # ---- end of the express run ----
 

@@ -964,15 +964,17 @@ class ExpressCore:
     `forward`, the class and its `forward` as planned) and set its wrappers; any check that
     fails asks `_wrap` again. `_ended(values, error)` maps the body's end, `_failed(key)`
     raises for a body that failed while served, and `_served_over(key, value, message)`
-    finishes a `serve` inside which the run was handed over.
+    finishes a `serve` inside which the run was handed over; `generator_read(key)` is its
+    read (the compiled one serves the common reads itself, `_ExpressRead`; `_read_over(key)`
+    and `handover` are for those).
     (The compiled one takes these steps with no Python frame.)
     """
 
     __slots__ = ("want", "stage", "position", "result_key", "positions", "interleaver", "gen",
                  "context", "body_grad", "wrapped", "plans", "served", "serving", "value",
-                 "replaced", "global_hooks")
+                 "replaced", "global_hooks", "handover")
 
-    def __init__(self, global_hooks):
+    def __init__(self, global_hooks, handover=None):
         if global_hooks is None:
             raise TypeError("ExpressCore() needs a tuple of hook dicts, not None")
         self.want = -1
@@ -987,6 +989,12 @@ class ExpressCore:
         self.value = None
         self.replaced = False
         self.global_hooks = global_hooks
+        self.handover = handover
+
+    def reader(self, key):
+        """Body side: what a generator body's `yield from` runs to read module output `key`
+        (the Envoy's `.output`): `generator_read(key)`."""
+        return self.generator_read(key)
 
     def ahead(self, key):
         """Can this run serve `key` (and are the wrappers for it set)?"""
@@ -1069,7 +1077,7 @@ class ExpressCore:
         self.serving = key
         self.value = value
         self.replaced = False
-        message = self.switch(value)
+        message = self.switch(None)  # (the waiting read returns `value`, as it is then)
         if self.interleaver is not None:  # handed over while it ran: its policy finishes
             return self._served_over(key, value, message)
         self.serving = -1

@@ -213,6 +213,52 @@ def test_out_of_order_and_never_produced_errors_hand_over(gpt2_model, ids, runs)
     assert runs == {"express": 2, "handed over": 2}
 
 
+class _Skips(torch.nn.Module):
+    """Calls `b` only while `use_b`: its learned order has `b`, a later run may not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.use_b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), True
+
+    def forward(self, x):
+        x = self.a(x)
+        return self.b(x) if self.use_b else x
+
+
+def _read_b(model, x):
+    with torch.no_grad(), model.trace(x):
+        model.a.output.save()
+        got = model.b.output.save()
+    return got
+
+
+@pytest.mark.parametrize("express_on", [True, False])
+def test_a_read_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch, runs, express_on):
+    """The body waits for `b`, which the learned order has but this forward never calls: the
+    root returns, the run hands over, and the waiting read is asked of the general run (the
+    compiled read, `_ExpressRead`, forwards to it): the same error as with the express run
+    off, then the model as it was."""
+    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
+    net = _Skips()
+    model = interlace.Model(net)
+    x = torch.ones(1, 2)
+    for _ in range(3):  # learn the order with `b` called, then warm runs
+        assert torch.equal(_read_b(model, x), net.b(net.a(x)))
+    net.use_b = False
+    with pytest.raises(Exception) as raised:
+        _read_b(model, x)
+    handed_over = runs["handed over"]
+    monkeypatch.setattr(engine_module, "_EXPRESS", False)
+    with pytest.raises(Exception) as general:
+        _read_b(model, x)
+    assert type(raised.value) is type(general.value) and str(raised.value) == str(general.value)
+    assert handed_over == (1 if express_on else 0)
+    net.use_b = True
+    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
+    assert torch.equal(_read_b(model, x), net.b(net.a(x)))
+    assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
+
+
 def test_a_module_call_in_the_body_hands_over_mid_forward(gpt2, gpt2_model, ids, runs):
     seen, logits = _hooked(gpt2, ids, ["transformer.h.0", "transformer.h.1"])
     for _ in range(3):

@@ -87,7 +87,7 @@ class Express(hotpath.ExpressCore):
     )
 
     def __init__(self, state):
-        super().__init__(GLOBAL_HOOKS)
+        super().__init__(GLOBAL_HOOKS, _HANDOVER)
         self.engine = None  # the engine, during a run (kept only then: no cycle through it)
         self.state = state
         self.body = self.out = self.token = None
@@ -215,16 +215,18 @@ class Express(hotpath.ExpressCore):
                 return self._written(key, value)
             if self.ahead(key):
                 got = yield ~key
-                if got is not _HANDOVER:
+                if got is not _HANDOVER:  # served: `self.value` is the value as it is now
                     if value is _READ:
-                        return got
+                        return self.value
                     return self._written(key, value)
         interleaver = self.interleaver or self.engine.running  # (hands over, or says why not)
         if value is _READ:
             return (yield from interleaver.generator_read(key))
         return (yield from interleaver.generator_read(key, value))
 
-    reader = generator_read  # (`hotpath.Exchange.reader`'s place: the Envoy's `.output`)
+    def _read_over(self, key):
+        """The general run's read of `key`, for a read that waited at the hand-over."""
+        return self.interleaver.generator_read(key)
 
     def generator_write(self, key, value):
         """`Interleaver.generator_write` while this run serves the body."""
