@@ -1116,8 +1116,24 @@ cdef class Taps:
         return tokens
 
 
+cdef class _Forwarding:
+    """What a module's `forward` wrapper (`Tap`, `ExpressTap`) shows of the forward it wraps,
+    `original`: `__wrapped__` (`inspect.signature` and `functools` look through it) and every
+    other attribute (`module.forward.__func__`, `.__self__`, `.__name__`...)."""
+
+    cdef public object original
+
+    @property
+    def __wrapped__(self):
+        """The forward it wraps."""
+        return self.original
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
+
+
 @cython.final
-cdef class Tap:
+cdef class Tap(_Forwarding):
     """A module's `forward` for one run: its input and output events, without torch hooks.
 
     torch runs a module's hooks only on its slow call path, which costs about what a small
@@ -1129,9 +1145,8 @@ cdef class Tap:
     for a container's output from inside it) is served when that call returns.
     """
 
-    cdef readonly Exchange exchange
-    cdef public object original    # what `module.forward` was: called with the (edited) input
-    cdef public Py_ssize_t pre
+    cdef readonly Exchange exchange  # (`original`: what `module.forward` was, called with the
+    cdef public Py_ssize_t pre       # edited input)
     cdef public Py_ssize_t post
 
     def __init__(self, Exchange exchange not None, original):
@@ -1155,15 +1170,6 @@ cdef class Tap:
             if replaced is not None:
                 return replaced
         return output
-
-    @property
-    def __wrapped__(self):
-        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
-        return self.original
-
-    def __getattr__(self, name):
-        # `module.forward.__func__`, `.__self__`, `.__name__`... as the wrapped forward has them
-        return getattr(self.original, name)
 
 
 # ---- the express run's mechanism (intervention/express.py has its policy) ----
@@ -1405,7 +1411,7 @@ cdef class ExpressCore:
 
 
 @cython.final
-cdef class ExpressTap:
+cdef class ExpressTap(_Forwarding):
     """Module `key >> 1`'s `forward` for its model's express runs (made once, set per run):
     calls the forward it wraps, then sends the output into the body when the run waits for
     it (`run.serve(key, output)`); after a hand-over the output is the general run's event.
@@ -1413,7 +1419,6 @@ cdef class ExpressTap:
 
     cdef object ref
     cdef readonly Py_ssize_t key
-    cdef public object original
 
     def __init__(self, ref, Py_ssize_t key, original):
         self.ref = ref
@@ -1434,14 +1439,6 @@ cdef class ExpressTap:
             if replaced is not None:
                 return replaced
         return output
-
-    @property
-    def __wrapped__(self):
-        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
-        return self.original
-
-    def __getattr__(self, name):
-        return getattr(self.original, name)
 
 @cython.final
 cdef class _ExpressRead:

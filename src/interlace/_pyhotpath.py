@@ -895,7 +895,25 @@ class Taps:
         return tokens
 
 
-class Tap:
+class _Forwarding:
+    """What a module's `forward` wrapper (`Tap`, `ExpressTap`) shows of the forward it wraps,
+    `original`: `__wrapped__` (`inspect.signature` and `functools` look through it) and every
+    other attribute (`module.forward.__func__`, `.__self__`, `.__name__`...)."""
+
+    __slots__ = ("original",)
+
+    @property
+    def __wrapped__(self):
+        """The forward it wraps."""
+        return self.original
+
+    def __getattr__(self, name):
+        if name == "original" or name in type(self).__slots__:  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+
+class Tap(_Forwarding):
     """A module's `forward` for one run: its input and output events, without torch hooks.
 
     torch runs a module's hooks only on its slow call path, which costs about what a small
@@ -907,7 +925,7 @@ class Tap:
     for a container's output from inside it) is served when that call returns.
     """
 
-    __slots__ = ("exchange", "original", "pre", "post")
+    __slots__ = ("exchange", "pre", "post")
 
     def __init__(self, exchange, original):
         if exchange is None:
@@ -932,17 +950,6 @@ class Tap:
             if replaced is not None:
                 return replaced
         return output
-
-    @property
-    def __wrapped__(self):
-        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
-        return self.original
-
-    def __getattr__(self, name):
-        # `module.forward.__func__`, `.__self__`, `.__name__`... as the wrapped forward has them
-        if name in Tap.__slots__:  # not set yet: no recursion through `self.original`
-            raise AttributeError(name)
-        return getattr(self.original, name)
 
 
 # Where an express run is (`ExpressCore.stage`), in order.
@@ -1114,13 +1121,13 @@ class ExpressCore:
                 set_grad_enabled(model_grad)
 
 
-class ExpressTap:
+class ExpressTap(_Forwarding):
     """Module `key >> 1`'s `forward` for its model's express runs (made once, set per run):
     calls the forward it wraps, then sends the output into the body when the run waits for
     it (`run.serve(key, output)`); after a hand-over the output is the general run's event.
     Holds its run weakly (the run keeps its wrappers); outside a run it is the forward."""
 
-    __slots__ = ("ref", "key", "original")
+    __slots__ = ("ref", "key")
 
     def __init__(self, ref, key, original):
         self.ref = ref
@@ -1140,16 +1147,6 @@ class ExpressTap:
             if replaced is not None:
                 return replaced
         return output
-
-    @property
-    def __wrapped__(self):
-        """The forward it wraps (`inspect.signature` and `functools` look through it)."""
-        return self.original
-
-    def __getattr__(self, name):
-        if name in ExpressTap.__slots__:  # not set yet: no recursion through `self.original`
-            raise AttributeError(name)
-        return getattr(self.original, name)
 
 
 def call_below(depth, fn):
