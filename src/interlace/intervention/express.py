@@ -65,8 +65,9 @@ _HANDOVER = object()  # sent into a body waiting in `generator_read`: ask the ge
 _NONE = -1  # no key
 
 # Where a run is (`stage`): what has happened, for the hand-over's replay and continuation.
-_BODY_START, _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = (
-    hotpath.BODY_START, hotpath.FORWARD, hotpath.RETURNED, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED)
+# (`ExpressCore.begin` starts it at BODY_START)
+_FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = (
+    hotpath.FORWARD, hotpath.RETURNED, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED)
 
 
 class Express(hotpath.ExpressCore):
