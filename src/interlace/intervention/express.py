@@ -12,7 +12,7 @@ of a trace's own cost, and it is paid in cache lines the forward then fetches ag
 - a read of a module's output whose place in the learned order is still ahead sets a
   plain forward wrapper on that module (and on the modules containing it, so that a
   container's output asked for from inside it is served when its call returns) and yields;
-  the wrapper `send`s the output into the body, which goes on until its next read;
+  the wrapper hands the output to the body, which goes on until its next read;
 - the root's output (`model.output`) and `tracer.result` are sent when the call returns;
 - a write (`x.output = value`) to the value being read replaces it, as in the general run.
 
@@ -206,8 +206,10 @@ class Express(hotpath.ExpressCore):
     # -- the body's side -----------------------------------------------------------------------
 
     def generator_read(self, key, value=_READ):
-        """`Interleaver.generator_read` while this run serves the body: yields `~key` to the
-        wrapper that will send the value; hands over whatever it does not serve."""
+        """`Interleaver.generator_read` while this run serves the body: yields `~key` until
+        the key's wrapper has served it (`serve` resumes the body with None; the value is
+        `self.value`); hands over whatever it does not serve. (A read in the body's own
+        frame comes through the compiled `reader` first; this is the twin's, and a write's.)"""
         # (only the body's own frame reads here: not another thread, not another body)
         if self.interleaver is None and sys._getframe(1) is self.gen.gi_frame:
             if key == self.serving:  # the value being read now (or a write to it)
