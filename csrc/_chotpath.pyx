@@ -341,6 +341,7 @@ cdef extern from "Python.h":
         PYGEN_NEXT
     ctypedef struct PyObject
     PySendResult PyIter_Send(object iterator, object arg, PyObject **presult)
+    Py_ssize_t PyNumber_AsSsize_t(object o, PyObject *exc)  # (exc NULL: clips, never raises for an int)
     object PyContext_CopyCurrent()
     int PyContext_Enter(object context) except -1
     int PyContext_Exit(object context) except -1
@@ -450,6 +451,35 @@ def envoy_reader(output, policy):
         return policy(envoy, name)
 
     return __interlace_read__
+
+
+def envoy_indexer(slow):
+    """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
+    is the child Envoy kept in the Envoy's `_positions` when the container's `_modules` still
+    equal the copy kept there and the slot's Envoy was made before; anything else is
+    `slow(envoy, key)`, which makes, checks and explains. The common `h[i]` with no Python
+    frame."""
+
+    def __getitem__(envoy, key):
+        cdef Py_ssize_t i, n
+        if type(key) is int:
+            fields = envoy.__dict__
+            positions = fields.get("_positions")
+            if type(positions) is tuple and len(<tuple>positions) == 3:
+                children = (<tuple>positions)[2]
+                if (type(children) is list and
+                        (<tuple>positions)[0] == fields["_module"].__dict__.get("_modules")):
+                    n = len(<list>children)
+                    i = PyNumber_AsSsize_t(key, NULL)  # (a huge int clips: out of range)
+                    if i < 0:
+                        i += n
+                    if 0 <= i < n:
+                        child = (<list>children)[i]
+                        if child is not None:
+                            return child
+        return slow(envoy, key)
+
+    return __getitem__
 
 
 def runs_here(MediatorCore mediator not None):

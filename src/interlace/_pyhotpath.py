@@ -346,6 +346,31 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
+def envoy_indexer(slow):
+    """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
+    is the child Envoy kept in the Envoy's `_positions` when the container's `_modules` still
+    equal the copy kept there and the slot's Envoy was made before; anything else is
+    `slow(envoy, key)`, which makes, checks and explains. (Compiled: the common `h[i]` with
+    no Python frame.)"""
+
+    def __getitem__(envoy, key):
+        if type(key) is int:
+            fields = envoy.__dict__
+            positions = fields.get("_positions")
+            if type(positions) is tuple and len(positions) == 3:
+                children = positions[2]
+                if type(children) is list and positions[0] == fields["_module"].__dict__.get("_modules"):
+                    n = len(children)
+                    i = key + n if key < 0 else key
+                    if 0 <= i < n:
+                        child = children[i]
+                        if child is not None:
+                            return child
+        return slow(envoy, key)
+
+    return __getitem__
+
+
 def runs_here(mediator):
     """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
     body runs on its worker; a generator body (a `GenCore` worker) runs while its generator

@@ -133,6 +133,54 @@ def test_index_does_not_compare_every_slot_per_call():
     assert _Counted.compared == 0
 
 
+@pytest.mark.native_only
+def test_a_warm_index_runs_no_python_frame():
+    """A warm `h[i]` is served by the compiled indexer (`hotpath.envoy_indexer`) with no
+    Python frame; a first `h[i]` (its Envoy not made yet) and a miss go to the Python
+    method, which makes and explains."""
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    model = interlace.Model(torch.nn.Sequential(layers))
+    h = model[0]
+    frames = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    def indexed(i):
+        frames.clear()
+        sys.setprofile(profile)
+        try:
+            return h[i]
+        finally:
+            sys.setprofile(None)
+
+    assert indexed(1)._module is layers[1] and "_getitem" in frames  # made now
+    assert indexed(1)._module is layers[1] and indexed(-2)._module is layers[1]
+    assert frames == []
+    with pytest.raises(IndexError, match=r"has 3 submodule\(s\); index 3 is out of range"):
+        indexed(3)
+    assert "_getitem" in frames
+
+
+def test_an_envoy_class_of_its_own_keeps_its_own_index():
+    """An Envoy subclass (`envoys=`) that defines `__getitem__` is the one called; one that
+    calls `super().__getitem__` gets the same child Envoys as a plain Envoy."""
+    calls = []
+
+    class Counting(interlace.Envoy):
+        def __getitem__(self, key):
+            calls.append(key)
+            return super().__getitem__(key)
+
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    model = interlace.Model(torch.nn.Sequential(layers), envoys={torch.nn.ModuleList: Counting})
+    h = model[0]
+    assert type(h) is Counting
+    assert [h[i]._module for i in (0, 1, 2, -1)] == [layers[0], layers[1], layers[2], layers[2]]
+    assert h[1] is h[1] and calls == [0, 1, 2, -1, 1, 1]
+
+
 @pytest.mark.parametrize("container", [torch.nn.ModuleList, torch.nn.Sequential])
 def test_index_follows_every_edit_of_the_container(container):
     """After each edit torch offers (append, insert, delete, a slot emptied and filled again),

@@ -136,7 +136,9 @@ class Envoy:
     # drops the copy: `__setattr__`); other modules list their names on each call.
     _positions = None
 
-    def __getitem__(self, key):
+    def _getitem(self, key):
+        """`envoy[key]` (`__getitem__`, compiled: `hotpath.envoy_indexer`, set below the class,
+        serves a kept child itself): makes the child Envoys, keeps their positions, explains."""
         fields = self.__dict__  # (one lookup: an Envoy's attribute reads are not specialized)
         module = fields["_module"]
         if type(key) is int:  # the common `h[i]`
@@ -402,6 +404,7 @@ _ENVOY_READS = {name: Envoy.__dict__[name] for name in ("output", "input", "inpu
 """The properties `Envoy.__interlace_read__` serves (a subclass's own are read as they are)."""
 _OUTPUT = _ENVOY_READS["output"]
 Envoy.__interlace_read__ = hotpath.envoy_reader(_OUTPUT, Envoy._interlace_read)
+Envoy.__getitem__ = hotpath.envoy_indexer(Envoy._getitem)
 
 
 class Attached(Envoy):
