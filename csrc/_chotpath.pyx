@@ -237,6 +237,27 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
     _gen_worker = gen_worker
 
 
+cdef object _force_eager = None
+cdef object _restore_eager = None
+cdef object _close_body = None
+cdef object _stops = ()
+cdef tuple _hidden = ()
+
+
+def configure_express(force_eager, restore, close_body, stops, hidden):
+    """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
+    compiled model runs eagerly during a run), `close_body(gen, context, token)` (a body
+    that did not end); `stops`, the exceptions by which a failed or stopped body ends the
+    forward from a wrapper; `hidden`, the names of a generator body's hidden parameters,
+    dropped from its final locals (as `DeferredBody.generator_locals` drops them)."""
+    global _force_eager, _restore_eager, _close_body, _stops, _hidden
+    _force_eager = force_eager
+    _restore_eager = restore
+    _close_body = close_body
+    _stops = tuple(stops)
+    _hidden = tuple(hidden)
+
+
 cdef class MediatorCore:
     """A mediator's fields, read and written by the exchange as struct fields, not by name,
     and the start of its body (mechanism: a pooled worker, grad modes, one switch).
@@ -1217,7 +1238,9 @@ cdef extern from *:
 # Where an express run is (`ExpressCore.stage`), in order.
 BODY_START, FORWARD, RETURNED, ROOT_FIRED, RESULT_FIRED = range(5)
 cdef enum:
-    _ROOT_FIRED = 3  # (the two above, for C)
+    _FORWARD = 1  # (the same, for C)
+    _RETURNED = 2
+    _ROOT_FIRED = 3
     _RESULT_FIRED = 4
 
 
@@ -1256,6 +1279,22 @@ cdef class ExpressCore:
     cdef public bint replaced
     cdef tuple global_hooks
     cdef object handover              # what a hand-over sends into a waiting read
+    # the run's own (the policy's fields, read and written by `run` and its end as struct
+    # fields): the engine during a run, the model's state, the deferred body, the dict its
+    # final locals go into, its save state's token, whether it ended, the general run's
+    # worker after a hand-over, the body's error, the hand-over's event, the last write's
+    # place, whether the general run cut the forward short
+    cdef public object engine
+    cdef public object state
+    cdef public object body
+    cdef public object out
+    cdef public object token
+    cdef public bint dead
+    cdef public object worker
+    cdef public object error
+    cdef public object event
+    cdef public object last_write
+    cdef public bint cut
 
     def __init__(self, tuple global_hooks not None, handover=None):
         self.want = -1
@@ -1340,11 +1379,82 @@ cdef class ExpressCore:
                 wrapped[index] = (instance, entry[3])
         return 1
 
+    def run(self, engine, body, out, args, kwargs):
+        """Run the root on `args`/`kwargs` with `body` (a deferred body on the generator
+        route) beside it, its final locals into `out`; the caller took `engine`'s lock for
+        this thread, which this releases. The common run, start to end, with no Python
+        frame; the policy's methods take every other case (`_general_from_start`, `_raise`,
+        `_after_return`, and, for a run handed over, the general run's)."""
+        self.engine = engine
+        self.body = body
+        self.out = out
+        self.cut = self.dead = False
+        eager = _force_eager()
+        try:
+            state = self.state
+            # the body's contextvars are its own, and `.save()` saves into its save state
+            self.token = self.c_begin(state.positions, state.result_key, body.generator(),
+                                      body.state)
+            engine.express = self
+            message = self.c_switch(None)  # the body, up to its first read
+            if self.interleaver is not None:
+                return self._general_from_start(message, args, kwargs)
+            if type(message) is int:
+                if message == 3:  # FAILED
+                    return self._raise()
+                if message < 0:
+                    self.want = ~<Py_ssize_t>message
+            self.stage = _FORWARD
+            try:
+                result = state.root(*args, **kwargs)
+            except _stops:  # a body failed in a wrapper (or stopped, handed over)
+                if self.interleaver is None:
+                    return self._raise()
+                return self.interleaver._end(None)
+            except Exception as error:
+                if self.interleaver is not None:
+                    self.interleaver._model_raised(error)
+                raise
+            self.stage = _RETURNED
+            if self.interleaver is None and self.want == -1:
+                return result  # (the common end: the body ended inside the forward)
+            return self._after_return(args, result)
+        finally:
+            self.c_close(eager)
+
+    cdef c_close(self, eager):
+        # take off what the run set, end a body that would not end, let the model go
+        engine = self.engine
+        interleaver = self.interleaver
+        engine.express = None  # (a body's `finally` run below reads no express state)
+        try:
+            if interleaver is not None:
+                interleaver._teardown()
+            else:
+                self.c_unwrap()
+                if self.gen is not None and not self.dead:  # (the model raised while it waited)
+                    self.dead = True
+                    _close_body(self.gen, self.context, self.token)
+        finally:
+            self.c_end()
+            self.body = self.out = self.token = self.worker = self.error = self.event = None
+            self.last_write = self.engine = None
+            engine.general_run = None
+            engine.owner = None
+            engine.lock.release()
+            if eager is not None:
+                _restore_eager(eager)
+            if interleaver is not None and interleaver.reusable and len(engine.idle) < 2:
+                engine.idle.append(interleaver)
+
     def begin(self, positions, Py_ssize_t result_key, gen, state):
         """A run's start: its fields as new, the model's learned `positions` (plans made
         for other ones forgotten), the body's generator `gen` to run in a copy of the
         caller's contextvars context with its save state `state` entered there
         (`enter_body`, see `configure`); returns that token."""
+        return self.c_begin(positions, result_key, gen, state)
+
+    cdef object c_begin(self, positions, Py_ssize_t result_key, gen, state):
         if positions is not self.positions:  # learned again: which modules run may differ
             self.plans.clear()
             self.positions = positions
@@ -1364,6 +1474,9 @@ cdef class ExpressCore:
 
     def end(self):
         """A run's end: the fields let go of the body, its values and the general run."""
+        self.c_end()
+
+    cdef c_end(self):
         self.gen = self.context = self.value = self.interleaver = None
         if self.served:
             self.served.clear()
@@ -1371,6 +1484,9 @@ cdef class ExpressCore:
 
     def unwrap(self):
         """Take off every wrapper this run set (one the user replaced since stays)."""
+        self.c_unwrap()
+
+    cdef c_unwrap(self):
         cdef dict instance
         for instance, wrapper in self.wrapped.values():
             if instance.get("forward") is wrapper:
@@ -1426,7 +1542,7 @@ cdef class ExpressCore:
             if sent == PYGEN_NEXT:
                 return _steal(out)
             if sent == PYGEN_RETURN:
-                return self._ended(_steal(out), None)
+                return self.c_returned(_steal(out))
             try:
                 _raise_current()
             except GeneratorExit:
@@ -1438,6 +1554,23 @@ cdef class ExpressCore:
             self.body_grad = grad
             if grad != model_grad:
                 _set_grad_enabled(model_grad)
+
+    cdef object c_returned(self, values):
+        # the body returned its final locals `values`: its common end (not handed over: its
+        # save state left, its locals into `out`) here; every other is `_ended`'s
+        if self.worker is not None or self.out is None or self.body is None:
+            return self._ended(values, None)
+        self.dead = True
+        context = self.context
+        PyContext_Enter(context)
+        try:
+            _exit_body(self.token)
+        finally:
+            PyContext_Exit(context)
+        for name in _hidden:  # (`DeferredBody.generator_locals`, inline)
+            del (<dict?>values)[name]
+        (<dict?>self.out).update(values)
+        return 2  # DONE
 
 
 @cython.final

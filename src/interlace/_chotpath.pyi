@@ -78,6 +78,14 @@ def configure(
     gen_worker: Optional[Callable[[Any, Any, Any], Any]] = None,
 ) -> None: ...
 
+def configure_express(
+    force_eager: Callable[[], Any],
+    restore: Callable[[Any], Any],
+    close_body: Callable[[Any, Any, Any], Any],
+    stops: tuple,
+    hidden: tuple,
+) -> None: ...
+
 class GenCore:
     gen: Any
     context: Any
@@ -207,7 +215,19 @@ class ExpressCore:
     serving: int
     value: Any
     replaced: bool
+    engine: Any
+    state: Any
+    body: Any
+    out: Any
+    token: Any
+    dead: bool
+    worker: Any
+    error: Any
+    event: Any
+    last_write: Any
+    cut: bool
     def __init__(self, global_hooks: tuple) -> None: ...
+    def run(self, engine: Any, body: Any, out: dict, args: tuple, kwargs: dict) -> Any: ...
     def ahead(self, key: int) -> bool: ...
     def begin(self, positions: Any, result_key: int, gen: Any, state: Any) -> Any: ...
     def end(self) -> None: ...

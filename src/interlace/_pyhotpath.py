@@ -192,6 +192,17 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
                        gen_worker=gen_worker)
 
 
+def configure_express(force_eager, restore, close_body, stops, hidden):
+    """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
+    compiled model runs eagerly during a run), `close_body(gen, context, token)` (a body
+    that did not end); `stops`, the exceptions by which a failed or stopped body ends the
+    forward from a wrapper; `hidden`, the names of a generator body's hidden parameters,
+    dropped from its final locals (as `DeferredBody.generator_locals` drops them; the
+    compiled run drops them itself, the twin's policy calls that)."""
+    _configured.update(force_eager=force_eager, restore=restore, close_body=close_body,
+                       stops=tuple(stops), hidden=tuple(hidden))
+
+
 class MediatorCore:
     """A mediator's fields, read and written by the exchange as struct fields, not by name,
     and the start of its body (mechanism: a pooled worker, grad modes, one switch).
@@ -1004,7 +1015,10 @@ class ExpressCore:
 
     __slots__ = ("want", "stage", "position", "result_key", "positions", "interleaver", "gen",
                  "context", "body_grad", "wrapped", "plans", "served", "serving", "value",
-                 "replaced", "global_hooks", "handover")
+                 "replaced", "global_hooks", "handover",
+                 # the run's own (see the compiled class)
+                 "engine", "state", "body", "out", "token", "dead", "worker", "error", "event",
+                 "last_write", "cut")
 
     def __init__(self, global_hooks, handover=None):
         if global_hooks is None:
@@ -1022,6 +1036,9 @@ class ExpressCore:
         self.replaced = False
         self.global_hooks = global_hooks
         self.handover = handover
+        self.engine = self.state = self.body = self.out = self.token = self.worker = None
+        self.error = self.event = self.last_write = None
+        self.dead = self.cut = False
 
     def reader(self, key):
         """Body side: what a generator body's `yield from` runs to read module output `key`
@@ -1067,6 +1084,73 @@ class ExpressCore:
                 instance["forward"] = wrapper
                 wrapped[index] = (instance, wrapper)
         return 1
+
+    def run(self, engine, body, out, args, kwargs):
+        """Run the root on `args`/`kwargs` with `body` (a deferred body on the generator
+        route) beside it, its final locals into `out`; the caller took `engine`'s lock for
+        this thread, which this releases. The common run, start to end; the policy's
+        methods take every other case (`_general_from_start`, `_raise`, `_after_return`,
+        and, for a run handed over, the general run's). (Compiled: no Python frame.)"""
+        self.engine = engine
+        self.body = body
+        self.out = out
+        self.cut = self.dead = False
+        eager = _configured["force_eager"]()
+        try:
+            state = self.state
+            # the body's contextvars are its own, and `.save()` saves into its save state
+            self.token = self.begin(state.positions, state.result_key, body.generator(), body.state)
+            engine.express = self
+            message = self.switch(None)  # the body, up to its first read
+            if self.interleaver is not None:
+                return self._general_from_start(message, args, kwargs)
+            if type(message) is int:
+                if message == FAILED:
+                    return self._raise()
+                if message < 0:
+                    self.want = ~message
+            self.stage = FORWARD
+            try:
+                result = state.root(*args, **kwargs)
+            except _configured["stops"]:  # a body failed in a wrapper (or stopped, handed over)
+                if self.interleaver is None:
+                    return self._raise()
+                return self.interleaver._end(None)
+            except Exception as error:
+                if self.interleaver is not None:
+                    self.interleaver._model_raised(error)
+                raise
+            self.stage = RETURNED
+            if self.interleaver is None and self.want == -1:
+                return result  # (the common end: the body ended inside the forward)
+            return self._after_return(args, result)
+        finally:
+            self._close(eager)
+
+    def _close(self, eager):
+        """Take off what the run set, end a body that would not end, let the model go."""
+        engine = self.engine
+        interleaver = self.interleaver
+        engine.express = None  # (a body's `finally` run below reads no express state)
+        try:
+            if interleaver is not None:
+                interleaver._teardown()
+            else:
+                self.unwrap()
+                if self.gen is not None and not self.dead:  # (the model raised while it waited)
+                    self.dead = True
+                    _configured["close_body"](self.gen, self.context, self.token)
+        finally:
+            self.end()
+            self.body = self.out = self.token = self.worker = self.error = self.event = None
+            self.last_write = self.engine = None
+            engine.general_run = None
+            engine.owner = None
+            engine.lock.release()
+            if eager is not None:
+                _configured["restore"](eager)
+            if interleaver is not None and interleaver.reusable and len(engine.idle) < 2:
+                engine.idle.append(interleaver)
 
     def begin(self, positions, result_key, gen, state):
         """A run's start: its fields as new, the model's learned `positions` (plans made

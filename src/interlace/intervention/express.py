@@ -40,6 +40,7 @@ import weakref
 from greenlet import getcurrent
 
 from .._native import hotpath
+from ..tracing.block import GENERATOR_PARAMS, LOCALS_PARAM
 from ..tracing.tracer import user_frame
 from . import compiled
 from .hooks import GLOBAL_HOOKS, _OWN_HOOKS, _tappable
@@ -70,6 +71,10 @@ _FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = (
     hotpath.FORWARD, hotpath.RETURNED, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED)
 
 
+hotpath.configure_express(compiled.force_eager, compiled.restore, close_generator_body,
+                          (_Abort, _Stop), (LOCALS_PARAM, *GENERATOR_PARAMS))
+
+
 class Express(hotpath.ExpressCore):
     """One model's express runs (one at a time: the engine's lock), and the hand-over.
 
@@ -81,11 +86,9 @@ class Express(hotpath.ExpressCore):
     (`_wrap`) and everything else.
     """
 
-    __slots__ = (
-        "engine", "state", "body", "out", "token", "dead", "worker", "error",
-        "event", "last_write", "cut", "wrappers",
-        "__weakref__",
-    )
+    # (the run's fields, `engine`, `state`, `body`, `out`, `token`, `dead`, `worker`,
+    # `error`, `event`, `last_write`, `cut`, are ExpressCore's)
+    __slots__ = ("wrappers", "__weakref__")
 
     def __init__(self, state):
         super().__init__(GLOBAL_HOOKS, _HANDOVER)
@@ -98,50 +101,20 @@ class Express(hotpath.ExpressCore):
 
     # -- the run ---------------------------------------------------------------------------
 
-    def run(self, engine, body, out, args, kwargs):
-        """Run the root on `args`/`kwargs` with `body` (a deferred body on the generator
-        route) beside it, its final locals into `out`; the caller took `engine`'s lock for
-        this thread, which this releases."""
-        self.engine = engine
-        state = self.state
-        self.body = body
-        self.out = out
-        self.cut = self.dead = False
-        eager = compiled.force_eager()
-        try:
-            # the body's contextvars are its own, and `.save()` saves into its save state
-            self.token = self.begin(state.positions, state.result_key, body.generator(), body.state)
-            engine.express = self
-            message = self.switch(None)  # the body, up to its first read
-            if self.interleaver is not None:
-                return self._general_from_start(message, args, kwargs)
-            if message == FAILED:
-                return self._raise()
-            if message < 0:
-                self.want = ~message
-            self.stage = _FORWARD
-            try:
-                result = state.root(*args, **kwargs)
-            except (_Abort, _Stop):  # a body failed in a wrapper (or stopped, handed over)
-                if self.interleaver is None:
-                    return self._raise()
-                return self.interleaver._end(None)
-            except Exception as error:
-                if self.interleaver is not None:
-                    self.interleaver._model_raised(error)
-                raise
-            self.stage = _RETURNED
-            interleaver = self.interleaver
-            if interleaver is None:
-                if self.want == _NONE:
-                    return result  # (the common end: the body ended inside the forward)
-                self.position = sys.maxsize  # every module has run
-                if self.want == 1 or self.want == self.result_key:
-                    return self._returned(result)
-                interleaver = self.hand_over()  # waits for what never came: it says so
-            return interleaver._end(interleaver._root_returned(args, result))
-        finally:
-            self._close(eager)
+    # `run(engine, body, out, args, kwargs)` is `ExpressCore.run`: the common run, start to
+    # end (the body started in its context and save state, the root called, everything the
+    # run set taken off, the engine's lock released); what it does not do itself is here.
+
+    def _after_return(self, args, result):
+        """The root's call returned `result` while the body still waits (or was handed
+        over): serve `model.output` and `tracer.result`, or hand over to serve the rest."""
+        interleaver = self.interleaver
+        if interleaver is None:
+            self.position = sys.maxsize  # every module has run
+            if self.want == 1 or self.want == self.result_key:
+                return self._returned(result)
+            interleaver = self.hand_over()  # waits for what never came: it says so
+        return interleaver._end(interleaver._root_returned(args, result))
 
     def _returned(self, result):
         """The root's call returned `result`: serve `model.output`, then `tracer.result`."""
@@ -177,31 +150,6 @@ class Express(hotpath.ExpressCore):
             raise error
         finally:
             error = None  # (no cycle through this frame's local)
-
-    def _close(self, eager):
-        """Take off what the run set, end a body that would not end, let the model go."""
-        engine = self.engine
-        interleaver = self.interleaver
-        engine.express = None  # (a body's `finally` run below reads no express state)
-        try:
-            if interleaver is not None:
-                interleaver._teardown()
-            else:
-                self.unwrap()
-                if self.gen is not None and not self.dead:  # (the model raised while it waited)
-                    self.dead = True
-                    close_generator_body(self.gen, self.context, self.token)
-        finally:
-            self.end()
-            self.body = self.out = self.token = self.worker = self.error = self.event = None
-            self.last_write = self.engine = None
-            engine.general_run = None
-            engine.owner = None
-            engine.lock.release()
-            if eager is not None:
-                compiled.restore(eager)
-            if interleaver is not None and interleaver.reusable and len(engine.idle) < 2:
-                engine.idle.append(interleaver)
 
     # -- the body's side -----------------------------------------------------------------------
 
