@@ -40,6 +40,7 @@ cdef extern from "_cframes_impl.h":
     object ilc_deferred_methods(object tracer_cls, object deferred_cls, object defer, object push,
                                 object run, object locals_param)
     object ilc_object_save(object descriptor, object save)
+    object ilc_generator_method(object deferred_cls, object generator)
 
 COMPILED = True
 
@@ -108,6 +109,14 @@ def deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_p
     the site's previous run left on the Block) with no Python frame; everything else calls
     the Python method given, with the same arguments. The twin returns the three unchanged."""
     return ilc_deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_param)
+
+
+def generator_method(deferred_cls, generator):
+    """`DeferredBody.generator` as a C method: a site whose previous start left its generator
+    function on the Block (`last_generator`, for the same params and globals) starts the
+    body with no Python frame; everything else calls the Python method given. The twin
+    returns `generator` unchanged."""
+    return ilc_generator_method(deferred_cls, generator)
 
 
 def object_save(descriptor, save):

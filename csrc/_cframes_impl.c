@@ -1430,8 +1430,10 @@ static PyObject *sv_on_enter = NULL;    /* strong: Python on_enter(): mount `.sa
 static PyObject *sv_on_exit = NULL;     /* strong: Python on_exit(): an import runs, resync */
 static PyObject *sv_descriptor = NULL;  /* strong: what `object.save` is when ours is on */
 static PyObject *s_importing = NULL, *s_save = NULL, *s_names = NULL, *s_assigned = NULL,
-                *s_last_function = NULL, *s_block = NULL, *s_saved = NULL;   /* interned */
+                *s_last_function = NULL, *s_block = NULL, *s_saved = NULL,   /* interned */
+                *s_last_generator = NULL;
 static PyObject *dm_defer = NULL, *dm_push = NULL, *dm_run = NULL;  /* strong: the policies */
+static PyObject *dm_generator = NULL;                               /* strong: the policy */
 static PyObject *dm_cls = NULL;         /* strong: the DeferredBody class defer makes */
 static PyObject *dm_locals = NULL;      /* strong: the body function's hidden parameter */
 static PyObject *os_save = NULL;        /* strong: Python `.save()` outside a trace */
@@ -1673,13 +1675,14 @@ PyObject *ilc_save_hooks(PyObject *current, PyObject *running, PyObject *mount, 
 /* Block is a Python class with __slots__: each attribute is a member descriptor at a fixed
    offset. The offsets are learned from the descriptors found on the type (and learned again
    when the type, or its version tag, changes), so a read is a load, not a generic lookup. */
-enum { BA_NAMES, BA_ASSIGNED, BA_LAST, BA_N };
+enum { BA_NAMES, BA_ASSIGNED, BA_LAST, BA_LAST_GENERATOR, BA_N };
 static PyTypeObject *ba_type = NULL;          /* borrowed: compared by identity only */
 static unsigned int ba_version = 0;
 static Py_ssize_t ba_offset[BA_N];            /* 0: not a plain object slot, look it up */
 
 static PyObject *ba_name(int which) {
-    return which == BA_NAMES ? s_names : which == BA_ASSIGNED ? s_assigned : s_last_function;
+    return which == BA_NAMES ? s_names : which == BA_ASSIGNED ? s_assigned
+           : which == BA_LAST ? s_last_function : s_last_generator;
 }
 
 /* block.<which> as a NEW reference, NULL with an error set. block: borrowed. */
@@ -1919,6 +1922,63 @@ static PyObject *m_push(PyObject *self, PyObject *values) {
     Py_RETURN_NONE;
 }
 
+/* The function `last` (a Block's `last_function` or `last_generator`: (params, globals,
+   function)) keeps for `d`'s params and globals, as a NEW reference; NULL with no error when
+   it keeps none for them, NULL with an error set on failure. last: borrowed. */
+static PyObject *kept_function(DeferredObject *d, PyObject *last, int *failed) {
+    *failed = 0;
+    if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 3 || PyTuple_GET_ITEM(last, 1) != d->globals)
+        return NULL;
+    PyObject *params = PyTuple_GET_ITEM(last, 0);
+    int same = params == d->params ? 1 : PyObject_RichCompareBool(params, d->params, Py_EQ);
+    if (same < 0) { *failed = 1; return NULL; }
+    PyObject *function = PyTuple_GET_ITEM(last, 2);
+    return same && PyFunction_Check(function) ? Py_NewRef(function) : NULL;
+}
+
+/* DeferredBody.generator(self): a site whose previous start left its generator function on
+   the Block (`last_generator`) starts the body here (its generator made, not run); the rest
+   is the policy's. */
+static PyObject *m_generator(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    DeferredObject *d = DB(self);
+    if (nargs != 0 || kwnames != NULL || d->globals == NULL || d->block == NULL
+            || d->params == NULL || d->namespace == NULL)
+        return call_policy(dm_generator, self, args, nargs, kwnames);
+    PyObject *last = block_attr(d->block, BA_LAST_GENERATOR);
+    if (last == NULL) return NULL;
+    int failed;
+    PyObject *function = kept_function(d, last, &failed);
+    Py_DECREF(last);
+    if (failed) return NULL;
+    if (function == NULL) return call_policy(dm_generator, self, args, nargs, kwnames);
+    Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
+    Py_XSETREF(d->entry, Py_NewRef(d->namespace));
+    PyObject *namespace = Py_NewRef(d->namespace), *params = Py_NewRef(d->params);
+    PyObject *gen = ilc_call_bound(function, namespace, params);
+    Py_DECREF(function);
+    Py_DECREF(namespace);
+    Py_DECREF(params);
+    return gen;
+}
+
+static PyMethodDef generator_def = {"generator", (PyCFunction)(void (*)(void))m_generator,
+    METH_FASTCALL | METH_KEYWORDS, "generator($self)\n--\n\n"
+    "The body as a generator, started by the first send(None); it returns its final locals."};
+
+PyObject *ilc_generator_method(PyObject *deferred_cls, PyObject *generator) {
+    if (DeferredType == NULL || !PyType_Check(deferred_cls)
+            || !PyType_IsSubtype((PyTypeObject *)deferred_cls, DeferredType) || !PyCallable_Check(generator)) {
+        PyErr_SetString(PyExc_TypeError, "generator_method(): the class must derive from DeferredBase, "
+                        "and the policy be callable");
+        return NULL;
+    }
+    if (intern(&s_names, "names") < 0 || intern(&s_assigned, "assigned_names") < 0
+            || intern(&s_last_function, "last_function") < 0
+            || intern(&s_last_generator, "last_generator") < 0) return NULL;
+    Py_INCREF(generator); Py_XSETREF(dm_generator, generator);
+    return PyDescr_NewMethod(DeferredType, &generator_def);
+}
+
 /* DeferredBody.run(self, namespace=None, globals=None, *, reads_as_globals=False): a plain
    `run()` whose body function the site's previous run left (Block.last_function) runs here;
    the rest is the policy's. */
@@ -1929,18 +1989,11 @@ static PyObject *m_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs, 
         return call_policy(dm_run, self, args, nargs, kwnames);
     PyObject *last = block_attr(d->block, BA_LAST);
     if (last == NULL) return NULL;
-    PyObject *function = NULL;
-    if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 && PyTuple_GET_ITEM(last, 1) == d->globals) {
-        PyObject *params = PyTuple_GET_ITEM(last, 0);
-        int same = params == d->params ? 1 : PyObject_RichCompareBool(params, d->params, Py_EQ);
-        if (same < 0) { Py_DECREF(last); return NULL; }
-        if (same) function = Py_NewRef(PyTuple_GET_ITEM(last, 2));
-    }
+    int failed;
+    PyObject *function = kept_function(d, last, &failed);
     Py_DECREF(last);
-    if (function == NULL || !PyFunction_Check(function)) {
-        Py_XDECREF(function);
-        return call_policy(dm_run, self, args, nargs, kwnames);
-    }
+    if (failed) return NULL;
+    if (function == NULL) return call_policy(dm_run, self, args, nargs, kwnames);
     Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
     Py_XSETREF(d->entry, Py_NewRef(d->namespace));
     PyObject *namespace = Py_NewRef(d->namespace), *params = Py_NewRef(d->params);

@@ -103,6 +103,7 @@ PyObject *ilc_save_hooks(PyObject *current, PyObject *running, PyObject *mount, 
 PyObject *ilc_deferred_base(void);
 /* Keeps the classes and the Python policies; returns (Tracer.defer, Tracer.push_result,
    DeferredBody.run) as C method descriptors that call the policy for all but the warm case. */
+PyObject *ilc_generator_method(PyObject *deferred_cls, PyObject *generator);
 PyObject *ilc_deferred_methods(PyObject *tracer_cls, PyObject *deferred_cls, PyObject *defer,
                                PyObject *push, PyObject *run, PyObject *locals_param);
 /* A C descriptor for `object.save`: instances get a C bound method that marks in the current

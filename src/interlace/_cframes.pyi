@@ -178,6 +178,11 @@ def deferred_methods(
     frame, and call the Python method given, with the same arguments, for everything else.
     The twin returns `defer`, `push_result`, `run` unchanged."""
 
+def generator_method(deferred_cls: type, generator: Any) -> Any:
+    """`DeferredBody.generator`. Compiled: a C method that starts the body of a site whose
+    previous start left its generator function on the Block (`last_generator`) with no
+    Python frame, and calls `generator` for everything else. The twin returns `generator`."""
+
 def object_save(descriptor: Any, save: Any) -> Any:
     """The descriptor to mount as `object.save`. Compiled: a C descriptor whose bound method
     marks the object in the current trace's state (one C call); outside a trace it calls

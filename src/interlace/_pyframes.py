@@ -504,6 +504,12 @@ def deferred_methods(tracer_cls, deferred_cls, defer, push_result, run, locals_p
     return defer, push_result, run
 
 
+def generator_method(deferred_cls, generator):
+    """`DeferredBody.generator`: the twin's is the Python method itself (the compiled module
+    returns a C method that starts a warm site's body and calls it for the rest)."""
+    return generator
+
+
 def object_save(descriptor, save):
     """The descriptor to mount as `object.save`: the twin's is `descriptor` itself (the
     compiled module's is a C one whose bound method marks in C)."""

@@ -279,3 +279,41 @@ def test_a_warm_run_follows_the_blocks_last_function_as_it_changes():
     assert f(5) == [10] and block.last_function[2] is function
     block.last_function = (block.last_function[0], {}, function)  # other globals: not this one
     assert f(6) == [12] and block.last_function[1] is kept[-1].globals
+
+
+def test_a_warm_generator_start_follows_the_blocks_last_generator():
+    """`body.generator()` of a site whose previous start left its generator function on the
+    Block (`last_generator`) makes the generator with no Python frame natively; forgotten, or
+    kept for other globals, the Python method finds it again. Every start runs the body as
+    written."""
+    kept = []
+
+    class Keep(Backend):
+        def __call__(self, tracer):
+            kept.append(tracer.defer())
+
+    def f(n):
+        with Tracer(backend=Keep()):
+            out = [n * 2]  # noqa: F841 - read from the generator's final locals
+        return kept[-1]
+
+    def final_locals(body):
+        gen = body.generator()
+        with pytest.raises(StopIteration) as end:
+            gen.send(None)  # (no read: it runs to its end)
+        return DeferredBody.generator_locals(end.value.value)
+
+    assert [final_locals(f(n))["out"] for n in range(3)] == [[0], [2], [4]]
+    body = f(7)
+    gen, calls = _interlace_calls(body.generator)
+    assert calls == ([] if frames.COMPILED else ["generator", "generator_start"])
+    with pytest.raises(StopIteration) as end:
+        gen.send(None)
+    assert DeferredBody.generator_locals(end.value.value) == {"n": 7, "out": [14]}
+    block = body.block
+    params, _, function = block.last_generator
+    block.last_generator = None  # forgotten: the policy finds it again
+    assert final_locals(f(5))["out"] == [10] and block.last_generator[2] is function
+    block.last_generator = (params, {}, function)  # other globals: not this one
+    body = f(6)
+    assert final_locals(body)["out"] == [12] and block.last_generator[1] is body.globals

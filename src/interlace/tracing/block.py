@@ -41,7 +41,7 @@ class Block:
     # Weakly referable: the warm-site record the frame mechanism keeps on the code object
     # (frames.register_site) must not keep a Block, whose body functions hold the globals
     # that hold that code, alive past BLOCKS.
-    __slots__ = _FIELDS + ("__weakref__", "last_function", "route")
+    __slots__ = _FIELDS + ("__weakref__", "last_function", "last_generator", "route")
 
     def __init__(self, **facts):
         for name in self._FIELDS:
@@ -49,6 +49,8 @@ class Block:
         # (params, globals, function) of the latest deferred run without reads_as_globals:
         # a warm trace at this site finds its body function here, without a key or a lookup
         self.last_function = None
+        # (params, globals, function) of the latest generator start (`DeferredBody.generator`)
+        self.last_generator = None
         # How the engine runs this body (intervention/routes.py): None until it first asks,
         # then AUDIT, GENERATOR, or the reason it stays on a greenlet (a str). Per process:
         # not pickled.
@@ -125,6 +127,7 @@ class Block:
         self._functions = Recent(FUNCTIONS_LIMIT)
         self.callables = Recent(FUNCTIONS_LIMIT)
         self.last_function = None
+        self.last_generator = None
         self.route = None
 
 

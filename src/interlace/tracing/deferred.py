@@ -148,6 +148,7 @@ class DeferredBody(_native.frames.DeferredBase):
             code = block.generator_code(params, self.tracer, self.tracer._frame)
             function = block.callables[key] = _types.FunctionType(
                 code, globals_, code.co_name, (_locals, *DEFAULTS))
+        block.last_generator = (params, globals_, function)  # (the compiled `generator`'s)
         self._code = function.__code__
         self._entry = namespace
         return function, tuple(map(namespace.__getitem__, params))

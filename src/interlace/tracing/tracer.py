@@ -544,6 +544,8 @@ _policy_defer, _policy_push_result, _policy_run = _defer, Tracer.push_result, De
 Tracer.defer, Tracer.push_result, DeferredBody.run = _frames.deferred_methods(
     Tracer, DeferredBody, _policy_defer, _policy_push_result, _policy_run, LOCALS_PARAM,
 )
+_policy_generator = DeferredBody.generator
+DeferredBody.generator = _frames.generator_method(DeferredBody, _policy_generator)
 _frames.look_past(_policy_enter.__code__)
 _frames.look_past(_policy_aenter.__code__)
 Tracer.__enter__, Tracer.__exit__, Tracer.__aenter__, Tracer.__aexit__ = _frames.tracer_methods(
