@@ -1245,10 +1245,13 @@ cdef enum:
 
 
 cdef class ExpressCore:
-    """An express run's fields that its wrappers and its reads use per module, and the
-    per-trace steps they take, with no Python frame: `ahead` (can the run serve this key,
-    wrappers set for it), `serve` (send a module's output into the body), `switch` (resume
-    the body), `unwrap`. `intervention.express.Express`
+    """An express run's fields, the run itself (`run`: the body started, the root called,
+    the run ended) and the steps its wrappers and reads take per module, with no Python
+    frame: `ahead` (can the run serve this key, wrappers set for it), `serve` (send a
+    module's output into the body), `switch` (resume the body), `unwrap`. `run` leaves to
+    the policy a body that fails or is handed over before the forward (`_raise`,
+    `_general_from_start`), a root that returns while the body waits (`_after_return`) and
+    a body's uncommon ends. `intervention.express.Express`
     subclasses it with the policy: `_wrap(index)` decides whether module `index` (and the
     modules containing it) may have a wrapper and records the decision as a *plan*
     (`plans[index]`: a tuple of `(index, module, instance dict, ExpressTap, class, class's

@@ -97,12 +97,13 @@ STEPS = [
     ("interlace.intervention.interleaver", "Interleaver.generator_read"),
     ("interlace.intervention.envoy", "Envoy.__interlace_read__"),
     # the express run's (express.py): the warm generator-body trace without the general run
-    # (its per-module steps, `ahead`, `serve`, `switch`, are hotpath.ExpressCore's: compiled)
+    # (`run` and its per-module steps, `ahead`, `serve`, `switch`, are hotpath.ExpressCore's:
+    # compiled; wrapping `Express.run` times the compiled run whole)
     ("interlace.intervention.express", "Express.run"),
     ("interlace.intervention.express", "Express._wrap"),
     ("interlace.intervention.express", "Express.generator_read"),
+    ("interlace.intervention.express", "Express._after_return"),
     ("interlace.intervention.express", "Express._returned"),
-    ("interlace.intervention.express", "Express._close"),
     ("interlace.tracing.generators", "read"),
 ]
 

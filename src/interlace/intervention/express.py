@@ -80,10 +80,10 @@ class Express(hotpath.ExpressCore):
 
     A run drives the body's generator itself (what `GenWorker` and `BodyJob` do for the
     general run: its own context and save state, its final locals into `out`); the
-    hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same. The
-    steps a run takes per module (its wrappers, `ahead`, `serve`, `switch`) are
-    `hotpath.ExpressCore`'s mechanism; this class decides which modules may have a wrapper
-    (`_wrap`) and everything else.
+    hand-over gives the general run a `GenWorker` and a `BodyJob` made of the same. The run
+    (`run`) and the steps it takes per module (its wrappers, `ahead`, `serve`, `switch`)
+    are `hotpath.ExpressCore`'s mechanism; this class decides which modules may have a
+    wrapper (`_wrap`) and everything else: the run's uncommon cases and the hand-over.
     """
 
     # (the run's fields, `engine`, `state`, `body`, `out`, `token`, `dead`, `worker`,
@@ -262,7 +262,8 @@ class Express(hotpath.ExpressCore):
 
     def _ended(self, values, error):
         """The body returned `values` or raised `error`: its outcome, as the general run's
-        `GenWorker.switch` and `GeneratorMediator.raised` map it."""
+        `GenWorker.switch` and `GeneratorMediator.raised` map it. (The compiled run takes
+        the common end itself: returned, not handed over.)"""
         worker = self.worker
         if worker is not None:  # handed over: the general run's mediator hears of it
             worker.end()  # (as `GenWorker.switch` ends it)
