@@ -1922,18 +1922,29 @@ static PyObject *m_push(PyObject *self, PyObject *values) {
     Py_RETURN_NONE;
 }
 
-/* The function `last` (a Block's `last_function` or `last_generator`: (params, globals,
-   function)) keeps for `d`'s params and globals, as a NEW reference; NULL with no error when
-   it keeps none for them, NULL with an error set on failure. last: borrowed. */
-static PyObject *kept_function(DeferredObject *d, PyObject *last, int *failed) {
+/* The function a warm site keeps on `d`'s Block (`which`: BA_LAST, `last_function`, or
+   BA_LAST_GENERATOR, `last_generator`: (params, globals, function)) for `d`'s params and
+   globals, as a NEW reference, with `d`'s code and entry set for the run about to start;
+   NULL with no error when it keeps none for them (the policy's case), NULL with an error
+   set on failure (`*failed`). */
+static PyObject *warm_function(DeferredObject *d, int which, int *failed) {
+    *failed = 1;
+    PyObject *last = block_attr(d->block, which);
+    if (last == NULL) return NULL;
+    PyObject *function = NULL;
+    if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 && PyTuple_GET_ITEM(last, 1) == d->globals) {
+        PyObject *params = PyTuple_GET_ITEM(last, 0);
+        int same = params == d->params ? 1 : PyObject_RichCompareBool(params, d->params, Py_EQ);
+        if (same < 0) { Py_DECREF(last); return NULL; }
+        if (same && PyFunction_Check(PyTuple_GET_ITEM(last, 2))) function = Py_NewRef(PyTuple_GET_ITEM(last, 2));
+    }
+    Py_DECREF(last);
     *failed = 0;
-    if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 3 || PyTuple_GET_ITEM(last, 1) != d->globals)
-        return NULL;
-    PyObject *params = PyTuple_GET_ITEM(last, 0);
-    int same = params == d->params ? 1 : PyObject_RichCompareBool(params, d->params, Py_EQ);
-    if (same < 0) { *failed = 1; return NULL; }
-    PyObject *function = PyTuple_GET_ITEM(last, 2);
-    return same && PyFunction_Check(function) ? Py_NewRef(function) : NULL;
+    if (function != NULL) {
+        Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
+        Py_XSETREF(d->entry, Py_NewRef(d->namespace));
+    }
+    return function;
 }
 
 /* DeferredBody.generator(self): a site whose previous start left its generator function on
@@ -1944,15 +1955,9 @@ static PyObject *m_generator(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (nargs != 0 || kwnames != NULL || d->globals == NULL || d->block == NULL
             || d->params == NULL || d->namespace == NULL)
         return call_policy(dm_generator, self, args, nargs, kwnames);
-    PyObject *last = block_attr(d->block, BA_LAST_GENERATOR);
-    if (last == NULL) return NULL;
     int failed;
-    PyObject *function = kept_function(d, last, &failed);
-    Py_DECREF(last);
-    if (failed) return NULL;
-    if (function == NULL) return call_policy(dm_generator, self, args, nargs, kwnames);
-    Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
-    Py_XSETREF(d->entry, Py_NewRef(d->namespace));
+    PyObject *function = warm_function(d, BA_LAST_GENERATOR, &failed);
+    if (function == NULL) return failed ? NULL : call_policy(dm_generator, self, args, nargs, kwnames);
     PyObject *namespace = Py_NewRef(d->namespace), *params = Py_NewRef(d->params);
     PyObject *gen = ilc_call_bound(function, namespace, params);
     Py_DECREF(function);
@@ -1987,15 +1992,9 @@ static PyObject *m_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs, 
     if (nargs != 0 || kwnames != NULL || d->globals == NULL || d->block == NULL
             || d->params == NULL || d->namespace == NULL || d->state == NULL)
         return call_policy(dm_run, self, args, nargs, kwnames);
-    PyObject *last = block_attr(d->block, BA_LAST);
-    if (last == NULL) return NULL;
     int failed;
-    PyObject *function = kept_function(d, last, &failed);
-    Py_DECREF(last);
-    if (failed) return NULL;
-    if (function == NULL) return call_policy(dm_run, self, args, nargs, kwnames);
-    Py_XSETREF(d->code, Py_NewRef(PyFunction_GET_CODE(function)));
-    Py_XSETREF(d->entry, Py_NewRef(d->namespace));
+    PyObject *function = warm_function(d, BA_LAST, &failed);
+    if (function == NULL) return failed ? NULL : call_policy(dm_run, self, args, nargs, kwnames);
     PyObject *namespace = Py_NewRef(d->namespace), *params = Py_NewRef(d->params);
     PyObject *token = enter_body(d->state);            /* also mounts `.save()` */
     PyObject *result = NULL;
