@@ -323,6 +323,23 @@ def test_every_step_the_steps_probe_wraps_exists():
             owner = getattr(owner, part)
 
 
+def test_every_contender_the_trace_instructions_probe_counts_exists_with_its_workloads():
+    """`probes/trace_instructions.py` names its contenders by module and class, and shifts
+    the layout before any import: each must be a harness contender with the workloads the
+    probe's help names, and a layout must be a different number of kept objects."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    try:
+        probe = importlib.import_module("trace_instructions")
+    finally:
+        sys.path.pop(0)
+    for name, (module_name, class_name) in probe.CONTENDERS.items():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        assert all(callable(getattr(cls, work, None)) for work in ("save_one", "zero_mlps", "fixed")), name
+    assert probe.shift_layout(0) == [] and len(probe.shift_layout(2)) > len(probe.shift_layout(1)) > 0
+
+
 def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     """`steps.py --cache` sums callgrind's simulated misses per dump: L1 (instruction, data read
     and write) and L2 (the same beyond L2); without the simulation the misses are 0. Fake dumps,
