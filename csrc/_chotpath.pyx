@@ -1387,7 +1387,8 @@ cdef class ExpressCore:
         route) beside it, its final locals into `out`; the caller took `engine`'s lock for
         this thread, which this releases. The common run, start to end, with no Python
         frame; the policy's methods take every other case (`_general_from_start`, `_raise`,
-        `_after_return`, and, for a run handed over, the general run's)."""
+        `_stopped`, `_model_failed`, `_after_return`, `_close_general`: after a hand-over,
+        the general run's)."""
         self.engine = engine
         self.body = body
         self.out = out
@@ -1411,12 +1412,10 @@ cdef class ExpressCore:
             try:
                 result = state.root(*args, **kwargs)
             except _stops:  # a body failed in a wrapper (or stopped, handed over)
-                if self.interleaver is None:
-                    return self._raise()
-                return self.interleaver._end(None)
+                return self._stopped()
             except Exception as error:
                 if self.interleaver is not None:
-                    self.interleaver._model_raised(error)
+                    self._model_failed(error)
                 raise
             self.stage = _RETURNED
             if self.interleaver is None and self.want == -1:
@@ -1432,7 +1431,7 @@ cdef class ExpressCore:
         engine.express = None  # (a body's `finally` run below reads no express state)
         try:
             if interleaver is not None:
-                interleaver._teardown()
+                self._close_general(interleaver)
             else:
                 self.c_unwrap()
                 if self.gen is not None and not self.dead:  # (the model raised while it waited)

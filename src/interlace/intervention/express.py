@@ -105,6 +105,22 @@ class Express(hotpath.ExpressCore):
     # end (the body started in its context and save state, the root called, everything the
     # run set taken off, the engine's lock released); what it does not do itself is here.
 
+    def _stopped(self):
+        """The forward ended early, from a wrapper: the body failed (its error), or the
+        general run, handed over, stopped it (its end)."""
+        if self.interleaver is None:
+            return self._raise()
+        return self.interleaver._end(None)
+
+    def _model_failed(self, error):
+        """The model raised `error` after a hand-over: the general run hears of it (`run`
+        raises it then)."""
+        self.interleaver._model_raised(error)
+
+    def _close_general(self, interleaver):
+        """The run's end after a hand-over: the general run takes off what it set."""
+        interleaver._teardown()
+
     def _after_return(self, args, result):
         """The root's call returned `result` while the body still waits (or was handed
         over): serve `model.output` and `tracer.result`, or hand over to serve the rest."""
