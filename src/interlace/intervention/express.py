@@ -66,9 +66,8 @@ _HANDOVER = object()  # sent into a body waiting in `generator_read`: ask the ge
 _NONE = -1  # no key
 
 # Where a run is (`stage`): what has happened, for the hand-over's replay and continuation.
-# (`ExpressCore.begin` starts it at BODY_START)
-_FORWARD, _RETURNED, _ROOT_FIRED, _RESULT_FIRED = (
-    hotpath.FORWARD, hotpath.RETURNED, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED)
+# (`ExpressCore.begin` starts it at BODY_START; `run` sets FORWARD and RETURNED)
+_FORWARD, _ROOT_FIRED, _RESULT_FIRED = hotpath.FORWARD, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED
 
 
 hotpath.configure_express(compiled.force_eager, compiled.restore, close_generator_body,
