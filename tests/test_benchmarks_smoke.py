@@ -338,6 +338,17 @@ def test_every_contender_the_trace_instructions_probe_counts_exists_with_its_wor
         cls = getattr(importlib.import_module(module_name), class_name)
         assert all(callable(getattr(cls, work, None)) for work in ("save_one", "zero_mlps", "fixed")), name
     assert probe.shift_layout(0) == [] and len(probe.shift_layout(2)) > len(probe.shift_layout(1)) > 0
+    # the type cache's misses are priced as find_name_in_mro's inclusive cost, its own file's
+    # entry and the inlined parts alike; other functions (a caller, a prefix) are not counted
+    annotated = (
+        "226,362,165 (100.0%)  PROGRAM TOTALS\n"
+        "  2,592,761 ( 1.15%)  /b/Python-3.11.7/Objects/typeobject.c:find_name_in_mro [/lib/libpython3.11.so]\n"
+        "     49,941 ( 0.02%)  /b/Python-3.11.7/./Include/object.h:find_name_in_mro\n"
+        "  4,309,444 ( 1.90%)  /b/Python-3.11.7/Objects/typeobject.c:_PyType_Lookup [/lib/libpython3.11.so]\n"
+        "        900 ( 0.00%)  /b/x.c:not_find_name_in_mro_at_all [/lib/x.so]\n"
+    )
+    assert probe.mro_walks(annotated) == 2_592_761 + 49_941
+    assert probe.mro_walks("") == 0
 
 
 def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):

@@ -14,11 +14,21 @@ class's MRO of about 300 instructions, and which ones collide depends on both); 
 object allocator, whose size class with every pool exactly full when a forward starts takes a
 fresh pool for each temporary (seen: 140 a trace, 13k instructions).
 
+The first of those can be priced out exactly: CPython walks a class's MRO (`find_name_in_mro`)
+only when its type attribute cache misses, so that function's inclusive cost is what the misses
+cost. The table gives it per trace ("misses"), and each contender's median with it taken out
+("less misses"): what is left moves far less with the layout, and it is what a contender's own
+work costs. (Which lookups miss, in one layout: in the one counted for the fourteenth round,
+two of the model's own, `GPT2Config.__getattribute__` and `GPT2Model.__getattr__`, shared a
+slot and evicted each other 18 times a trace, about 14k instructions; in another layout other
+pairs collide. A contender's own lookups add to the slots taken, so it pays some misses on
+average: about 1 in 12 of a trace's new (type, name) pairs lands on a slot the forward uses.)
+
 So each contender is counted in `--layouts` processes, each shifted before anything is
 imported by a different number of types given version tags and of small objects kept alive
-(layout 0: none), with the cyclic collector off around the marked traces; the table gives
-the median and the range per contender, and the median over the raw forward and over plain
-hooks. A layout is the same for every contender, so the columns compare like with like.
+(layout 0: none), with the cyclic collector off (and its threshold out of reach) around the
+marked traces; the table gives the median and the range per contender, and the median over
+the raw forward and over plain hooks. A layout is the same for every contender, so the columns compare like with like.
 Needs valgrind and a C compiler (`steps.py`'s helper); says so and exits 0 without them.
 """
 
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -75,10 +86,17 @@ def inside(folder, contender, work, shape, traces, layout):
         run()
     gc.collect()
     gc.disable()
+    # (and its threshold out of reach: with the collector off, the young generation's count
+    # still grows by what each trace leaves tracked, and past the threshold (700) every
+    # allocation of a tracked object takes a longer branch, about 3 instructions more, 5k a
+    # trace on tiny GPT-2: counts would depend on how many traces ran before)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1 << 30)
     marks.il_start()
     for _ in range(traces):
         run()
     marks.il_stop()
+    gc.set_threshold(*thresholds)
     gc.enable()
     del kept
 
@@ -105,9 +123,35 @@ def count(contender, work, shape, traces, layout, tree):
             return None
         if done.returncode:
             raise SystemExit(done.stderr[-3000:])
-        return dumps(folder)[-1][0] / traces
+        return dumps(folder)[-1][0] / traces, miss_cost(folder) / traces
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def miss_cost(folder):
+    """Instructions the type attribute cache's misses cost in the last dump: the inclusive
+    cost of `find_name_in_mro`, which runs only on a miss (0 when callgrind_annotate is
+    missing or the interpreter names it otherwise)."""
+    names = sorted((n for n in os.listdir(folder) if n.startswith("cg.out.")),
+                   key=lambda n: int(n.rsplit(".", 1)[1]))
+    annotate = shutil.which("callgrind_annotate")
+    if not names or annotate is None:
+        return 0
+    done = subprocess.run([annotate, "--inclusive=yes", "--threshold=100", "--auto=no",
+                           os.path.join(folder, names[-1])], capture_output=True, text=True)
+    return mro_walks(done.stdout)
+
+
+def mro_walks(annotated):
+    """The inclusive instructions of `find_name_in_mro` in callgrind_annotate's output."""
+    total = 0
+    for line in annotated.splitlines():
+        # "  2,592,761 ( 1.15%)  .../typeobject.c:find_name_in_mro [lib]" (and its inlined
+        # parts, named by the header they come from)
+        found = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+\S*:find_name_in_mro(\s|$)", line)
+        if found:
+            total += int(found.group(1).replace(",", ""))
+    return total
 
 
 def main():
@@ -136,14 +180,18 @@ def main():
             results[name] = counts
     print(f"{args.work}, {args.shape}: instructions per trace, {args.layouts} layouts x "
           f"{args.traces} traces")
-    print("| contender | median | lowest | highest | over raw | over hooks |")
-    print("|---|---:|---:|---:|---:|---:|")
-    medians = {name: statistics.median(counts) for name, counts in results.items()}
+    print("| contender | median | lowest | highest | misses | less misses | over raw | over hooks |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    medians = {name: statistics.median(c for c, _ in counts) for name, counts in results.items()}
+    less = {name: statistics.median(c - m for c, m in counts) for name, counts in results.items()}
     for name, counts in results.items():
-        over = [f"{medians[name] - medians[base]:+,.0f}" if base in medians else ""
-                for base in ("raw", "hooks")]
-        print(f"| {name} | {medians[name]:,.0f} | {min(counts):,.0f} | {max(counts):,.0f} | "
+        totals = [c for c, _ in counts]
+        over = [f"{medians[name] - medians[base]:+,.0f} ({less[name] - less[base]:+,.0f})"
+                if base in medians else "" for base in ("raw", "hooks")]
+        print(f"| {name} | {medians[name]:,.0f} | {min(totals):,.0f} | {max(totals):,.0f} | "
+              f"{statistics.median(m for _, m in counts):,.0f} | {less[name]:,.0f} | "
               f"{over[0]} | {over[1]} |")
+    print("(over raw, over hooks: medians, and in brackets with the misses taken out)")
 
 
 if __name__ == "__main__":
