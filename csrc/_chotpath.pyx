@@ -1167,6 +1167,15 @@ cdef class Taps:
         return tokens
 
 
+cdef extern from "Python.h":
+    object PyObject_Vectorcall(object callable, PyObject **args, size_t nargsf, PyObject *kwnames)
+    Py_ssize_t PyVectorcall_NARGS(size_t nargsf)
+    unsigned long Py_TPFLAGS_HAVE_VECTORCALL
+    ctypedef struct _CallSlots "PyTypeObject":
+        Py_ssize_t tp_vectorcall_offset
+        unsigned long tp_flags
+
+
 cdef class _Forwarding:
     """What a module's `forward` wrapper (`Tap`, `ExpressTap`) shows of the forward it wraps,
     `original`: `__wrapped__` (`inspect.signature` and `functools` look through it) and every
@@ -1196,9 +1205,13 @@ cdef class Tap(_Forwarding):
     for a container's output from inside it) is served when that call returns.
     """
 
+    cdef void *vectorcall            # (the instance's vectorcall slot: `_tap_call`)
     cdef readonly Exchange exchange  # (`original`: what `module.forward` was, called with the
     cdef public Py_ssize_t pre       # edited input)
     cdef public Py_ssize_t post
+
+    def __cinit__(self, *args, **kwargs):
+        self.vectorcall = <void *>_tap_call
 
     def __init__(self, Exchange exchange not None, original):
         self.exchange = exchange
@@ -1207,6 +1220,10 @@ cdef class Tap(_Forwarding):
         self.post = -1
 
     def __call__(self, *args, **kwargs):
+        # (only where a caller does not use vectorcall, and for an input event)
+        return self.c_call(args, kwargs)
+
+    cdef object c_call(self, tuple args, dict kwargs):
         cdef Py_ssize_t key = self.pre
         cdef object positional = args
         cdef object keywords = kwargs
@@ -1221,6 +1238,29 @@ cdef class Tap(_Forwarding):
             if replaced is not None:
                 return replaced
         return output
+
+
+cdef object _tap_call(object callable, PyObject **args, size_t nargsf, PyObject *kwnames):
+    # Tap's vectorcall: with no input event, the forward it wraps is called with the caller's
+    # own argument vector (an output event does not use the arguments); an input event takes
+    # them as the tuple and dict a pre-hook gets
+    cdef Tap tap = <Tap>callable
+    cdef Py_ssize_t nargs, i
+    cdef dict keywords
+    if tap.pre >= 0:
+        nargs = PyVectorcall_NARGS(nargsf)
+        keywords = {}
+        if kwnames != NULL:
+            names = <tuple>kwnames
+            for i in range(len(names)):
+                keywords[names[i]] = <object>args[nargs + i]
+        return tap.c_call(tuple([<object>args[i] for i in range(nargs)]), keywords)
+    output = PyObject_Vectorcall(tap.original, args, nargsf, kwnames)
+    if tap.post >= 0:
+        replaced = tap.exchange.on_hook(tap.post, False, None, output)
+        if replaced is not None:
+            return replaced
+    return output
 
 
 # ---- the express run's mechanism (intervention/express.py has its policy) ----
@@ -1244,6 +1284,40 @@ cdef enum:
     _RESULT_FIRED = 4
 
 
+cdef extern from *:
+    """
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic push
+    #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    #endif
+    /* A dict's version (PEP 509: globally unique, new at each change of the dict; deprecated
+       from 3.12, still kept through 3.13) and a class's version tag (0: none; a change of
+       the class or its bases drops it, and a lookup gives a new one, never reused). */
+    static unsigned long long ilh_dict_version(PyObject *d) {
+        return (unsigned long long)((PyDictObject *)d)->ma_version_tag;
+    }
+    #if defined(__GNUC__)
+    #pragma GCC diagnostic pop
+    #endif
+    static unsigned int ilh_type_tag(PyObject *t) { return ((PyTypeObject *)t)->tp_version_tag; }
+    """
+    unsigned long long ilh_dict_version(dict d)
+    unsigned int ilh_type_tag(object t)
+
+
+@cython.final
+cdef class PlanCheck:
+    """What the checks of one entry of an express run's plan last found (`ExpressCore`): the
+    module's instance dict as it stood checked (its version: no `forward`, no hooks, the hook
+    dicts `hooks`), and the class's version tag when its `forward` was checked. Made empty
+    (check in full) by the policy with each entry; only the compiled run fills it."""
+
+    cdef unsigned long long version   # the instance dict's version as checked (0: unknown)
+    cdef unsigned long long inserted  # its version once this run set the wrapper
+    cdef unsigned int tag             # the class's version tag when checked (0: none)
+    cdef tuple hooks                  # the instance's hook dicts (or None) as checked
+
+
 cdef class ExpressCore:
     """An express run's fields, the run itself (`run`: the body started, the root called,
     the run ended) and the steps its wrappers and reads take per module, with no Python
@@ -1255,7 +1329,7 @@ cdef class ExpressCore:
     subclasses it with the policy: `_wrap(index)` decides whether module `index` (and the
     modules containing it) may have a wrapper and records the decision as a *plan*
     (`plans[index]`: a tuple of `(index, module, instance dict, ExpressTap, class, class's
-    forward)`); later runs repeat only the plan's checks (no hooks of the module's own or
+    forward, PlanCheck)`); later runs repeat only the plan's checks (no hooks of the module's own or
     global ones, no instance `forward`, the class and its `forward` as planned) and set its
     wrappers; any check that fails asks `_wrap` again. `_ended(values, error)` maps the
     body's end, `_failed(key)` raises for a body that failed while served, and
@@ -1274,7 +1348,7 @@ cdef class ExpressCore:
     cdef public object gen            # the body's generator and its contextvars context
     cdef public object context
     cdef public object body_grad      # the body's grad mode when it last paused
-    cdef public dict wrapped          # index -> (instance dict, the wrapper this run set)
+    cdef public dict wrapped          # index -> (instance dict, the wrapper this run set, its PlanCheck)
     cdef public dict plans            # index -> plan (see the class)
     cdef public list served           # module output keys served so far, in order (a replay)
     cdef public Py_ssize_t serving    # the key being served now (-1: none), its value, and
@@ -1356,30 +1430,53 @@ cdef class ExpressCore:
         return self._wrap(key >> 1)
 
     cdef int c_wrap(self, tuple plan) except -2:
-        # the plan's wrappers set (1); 0 when global hooks stop it; -1 when Python must decide
+        # the plan's wrappers set (1); 0 when global hooks stop it; -1 when Python must decide.
+        # An entry's checks are cut short by what its PlanCheck kept: the instance dict as the
+        # last run left it (its version unchanged: no `forward`, the same hook dicts, whose
+        # sizes are checked) and the class unchanged since its `forward` was checked (its
+        # version tag); anything else is checked in full.
         cdef dict wrapped = self.wrapped
+        cdef bint some = len(wrapped) != 0  # (a run's first read: no entry set yet)
         cdef dict instance
         cdef tuple entry
+        cdef PlanCheck check
+        cdef unsigned int tag
         for hooks in self.global_hooks:
             if hooks:
                 return 0
         for entry in plan:
-            if entry[0] in wrapped:
+            if some and entry[0] in wrapped:
                 continue
             instance = <dict>entry[2]
-            if "forward" in instance or type(entry[1]) is not entry[4]:
+            check = <PlanCheck>entry[6]
+            if type(entry[1]) is not entry[4]:
                 return -1
-            for name in _OWN_HOOKS:
-                if instance.get(name):
+            if check.version != 0 and ilh_dict_version(instance) == check.version:
+                for hooks in check.hooks:
+                    if hooks:
+                        return -1
+            else:
+                check.version = 0
+                if "forward" in instance:
                     return -1
-            if getattr(entry[4], "forward") is not entry[5]:
-                return -1
+                for name in _OWN_HOOKS:
+                    if instance.get(name):
+                        return -1
+                check.hooks = tuple([instance.get(name) for name in _OWN_HOOKS])
+                check.version = ilh_dict_version(instance)
+            tag = ilh_type_tag(entry[4])
+            if tag == 0 or tag != check.tag:
+                if getattr(entry[4], "forward") is not entry[5]:
+                    return -1
+                check.tag = ilh_type_tag(entry[4])  # (the lookup gave the class a tag)
         for entry in plan:
             index = entry[0]
-            if index not in wrapped:
+            if not some or index not in wrapped:
                 instance = <dict>entry[2]
+                check = <PlanCheck>entry[6]
                 instance["forward"] = entry[3]
-                wrapped[index] = (instance, entry[3])
+                check.inserted = ilh_dict_version(instance)
+                wrapped[index] = (instance, entry[3], check)
         return 1
 
     def run(self, engine, body, out, args, kwargs):
@@ -1490,9 +1587,15 @@ cdef class ExpressCore:
 
     cdef c_unwrap(self):
         cdef dict instance
-        for instance, wrapper in self.wrapped.values():
+        cdef PlanCheck check
+        for instance, wrapper, check in self.wrapped.values():
             if instance.get("forward") is wrapper:
+                changed = ilh_dict_version(instance) != check.inserted  # (by others, meanwhile)
                 del instance["forward"]
+                # as checked again, unless something else changed it while the wrapper was set
+                check.version = 0 if changed else ilh_dict_version(instance)
+            else:
+                check.version = 0
         self.wrapped.clear()
 
     def serve(self, Py_ssize_t key, value):
@@ -1576,14 +1679,24 @@ cdef class ExpressCore:
 
 
 @cython.final
+@cython.final
 cdef class ExpressTap(_Forwarding):
     """Module `key >> 1`'s `forward` for its model's express runs (made once, set per run):
     calls the forward it wraps, then sends the output into the body when the run waits for
     it (`run.serve(key, output)`); after a hand-over the output is the general run's event.
-    Holds its run weakly (the run keeps its wrappers); outside a run it is the forward."""
+    Holds its run weakly (the run keeps its wrappers); outside a run it is the forward.
 
+    Called through vectorcall (`_express_tap_call`): torch's `forward_call(*args, **kwargs)`
+    reaches the forward it wraps with the same argument vector, where a `__call__` taking
+    `*args, **kwargs` copied the keywords into a new dict and unpacked it again for the
+    call (about 700 instructions a call on a GPT-2 block, counted)."""
+
+    cdef void *vectorcall  # (the instance's vectorcall slot: `_express_tap_call`)
     cdef object ref
     cdef readonly Py_ssize_t key
+
+    def __cinit__(self, *args, **kwargs):
+        self.vectorcall = <void *>_express_tap_call
 
     def __init__(self, ref, Py_ssize_t key, original):
         self.ref = ref
@@ -1591,7 +1704,12 @@ cdef class ExpressTap(_Forwarding):
         self.original = original
 
     def __call__(self, *args, **kwargs):
-        output = self.original(*args, **kwargs)
+        # (only where a caller does not use vectorcall: the same steps)
+        return self.c_after(self.original(*args, **kwargs), args, NULL, 0)
+
+    cdef object c_after(self, output, tuple positional, PyObject **args, Py_ssize_t nargs):
+        # the call returned `output`: serve it to a run waiting for it, or to the general run
+        # (its event gets the call's positional arguments: `positional`, or made of `args`)
         found = <object>PyWeakref_GetObject(self.ref)
         if found is None:
             return output
@@ -1600,10 +1718,34 @@ cdef class ExpressTap(_Forwarding):
             return run.c_serve(self.key, output)
         interleaver = run.interleaver
         if interleaver is not None:  # handed over: this call's output is its event now
-            replaced = interleaver.hook_event(self.key, False, args, output)
+            if positional is None:
+                positional = tuple([<object>args[i] for i in range(nargs)])
+            replaced = interleaver.hook_event(self.key, False, positional, output)
             if replaced is not None:
                 return replaced
         return output
+
+
+cdef object _express_tap_call(object callable, PyObject **args, size_t nargsf, PyObject *kwnames):
+    # ExpressTap's vectorcall: the forward it wraps called with the caller's own vector
+    cdef ExpressTap tap = <ExpressTap>callable
+    output = PyObject_Vectorcall(tap.original, args, nargsf, kwnames)
+    return tap.c_after(output, None, args, PyVectorcall_NARGS(nargsf))
+
+
+cdef _use_vectorcall():
+    # Tap's and ExpressTap's instances are called through their `vectorcall` field (set by
+    # __cinit__; both classes are final: no subclass inherits the slot)
+    cdef Tap tap = Tap.__new__(Tap)
+    cdef ExpressTap express = ExpressTap.__new__(ExpressTap)
+    (<_CallSlots *>Tap).tp_vectorcall_offset = <char *>&tap.vectorcall - <char *><void *>tap
+    (<_CallSlots *>Tap).tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL
+    (<_CallSlots *>ExpressTap).tp_vectorcall_offset = <char *>&express.vectorcall - <char *><void *>express
+    (<_CallSlots *>ExpressTap).tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL
+
+
+_use_vectorcall()
+
 
 @cython.final
 cdef class _ExpressRead:

@@ -235,6 +235,9 @@ class ExpressCore:
     def serve(self, key: int, value: Any) -> Any: ...
     def switch(self, payload: Any) -> Any: ...
 
+class PlanCheck:
+    def __init__(self) -> None: ...
+
 class ExpressTap:
     key: int
     original: Any

@@ -1006,7 +1006,8 @@ class ExpressCore:
     run takes the common one itself). `intervention.express.Express` subclasses it with
     the policy: `_wrap(index)` decides whether module `index` (and the modules containing it)
     may have a wrapper and records the decision as a *plan* (`plans[index]`: a tuple of
-    `(index, module, instance dict, ExpressTap, class, class's forward)`); later runs repeat
+    `(index, module, instance dict, ExpressTap, class, class's forward,
+    PlanCheck)`); later runs repeat
     only the plan's checks (no hooks of the module's own or global ones, no instance
     `forward`, the class and its `forward` as planned) and set its wrappers; any check that
     fails asks `_wrap` again. `_ended(values, error)` maps the body's end, `_failed(key)`
@@ -1073,7 +1074,7 @@ class ExpressCore:
         wrapped = self.wrapped
         if any(self.global_hooks):
             return 0
-        for index, module, instance, wrapper, cls, forward in plan:
+        for index, module, instance, wrapper, cls, forward, _ in plan:
             if index in wrapped:
                 continue
             if "forward" in instance or type(module) is not cls:
@@ -1083,10 +1084,10 @@ class ExpressCore:
                     return -1
             if cls.forward is not forward:
                 return -1
-        for index, module, instance, wrapper, cls, forward in plan:
+        for index, module, instance, wrapper, cls, forward, check in plan:
             if index not in wrapped:
                 instance["forward"] = wrapper
-                wrapped[index] = (instance, wrapper)
+                wrapped[index] = (instance, wrapper, check)
         return 1
 
     def run(self, engine, body, out, args, kwargs):
@@ -1181,7 +1182,7 @@ class ExpressCore:
 
     def unwrap(self):
         """Take off every wrapper this run set (one the user replaced since stays)."""
-        for instance, wrapper in self.wrapped.values():
+        for instance, wrapper, _ in self.wrapped.values():
             if instance.get("forward") is wrapper:
                 del instance["forward"]
         self.wrapped.clear()
@@ -1231,6 +1232,14 @@ class ExpressCore:
             self.body_grad = grad
             if grad != model_grad:
                 set_grad_enabled(model_grad)
+
+
+class PlanCheck:
+    """What the checks of one entry of an express run's plan last found. The compiled run
+    keeps there what lets it cut the checks short (the instance dict's and the class's
+    versions); here every check is made in full, and it keeps nothing."""
+
+    __slots__ = ()
 
 
 class ExpressTap(_Forwarding):

@@ -8,17 +8,20 @@ question is that both routes give the same errors). `runs` counts the express ru
 hand-overs, so that a case that should be express really is.
 """
 
+import collections
 import os
 import subprocess
 import sys
 import threading
 import traceback
+import types
+import warnings
 
 import pytest
 import torch
 
 import interlace
-from interlace.errors import InterlaceError, OutOfOrderError
+from interlace.errors import ForwardReplacedWarning, InterlaceError, OutOfOrderError
 from interlace.intervention import engine as engine_module
 from interlace.intervention import express, routes
 
@@ -289,11 +292,15 @@ def test_a_module_with_a_hook_of_its_own_hands_over_and_keeps_it(gpt2, gpt2_mode
     _clean(gpt2)
 
 
-@pytest.mark.parametrize("change", ["container's hook", "class forward"])
+@pytest.mark.parametrize("change", ["container's hook", "class forward", "instance forward",
+                                    "hook dict replaced in a run"])
 def test_a_warm_run_checks_its_wrappers_plan_again(gpt2, gpt2_model, ids, runs, monkeypatch, change):
     """A warm express run repeats only the checks of the wrappers it planned on its first
-    read of a location (hotpath.ExpressCore.ahead): a hook added since on a module that
-    contains the one read, or the class's forward patched, must still be seen."""
+    read of a location (hotpath.ExpressCore.ahead), and natively cuts them short while the
+    module's instance dict and class are as last checked (their versions): a hook added
+    since on a module that contains the one read, the class's forward patched, a forward
+    set on the instance, or a hook dict replaced while a run had its wrapper set, must
+    still be seen."""
     block, mlp = gpt2.transformer.h[0], gpt2.transformer.h[0].mlp
     for _ in range(3):  # the audit, then warm runs that keep the plan for h[0].mlp
         with torch.no_grad(), gpt2_model.trace(ids):
@@ -303,22 +310,36 @@ def test_a_warm_run_checks_its_wrappers_plan_again(gpt2, gpt2_model, ids, runs, 
     if change == "container's hook":
         handle = block.register_forward_hook(lambda m, a, o: calls.append(1))
         undo = handle.remove
-    else:
+    elif change == "class forward":
         forward = type(mlp).forward
         monkeypatch.setattr(type(mlp), "forward", lambda self, x: forward(self, x) * 2)
         undo = lambda: None  # noqa: E731 - monkeypatch puts the class's forward back
+    elif change == "instance forward":
+        block.forward = types.MethodType(type(block).forward, block)  # (the same forward)
+        undo = lambda: block.__dict__.pop("forward")  # noqa: E731
+    else:  # a run's body replaces the block's hook dict while the block's wrapper is set
+        hooks = collections.OrderedDict({0: lambda m, a, o: calls.append(1)})
+        with torch.no_grad(), gpt2_model.trace(ids):
+            gpt2_model.transformer.h[0].mlp.output.save()
+            block._forward_hooks = hooks
+        undo = lambda: setattr(block, "_forward_hooks", collections.OrderedDict())  # noqa: E731
+        change = "container's hook"  # (from now on the same case)
     try:
         seen, logits = _hooked(gpt2, ids, ["transformer.h.0.mlp"])
         calls.clear()
-        for _ in range(2):
-            with torch.no_grad(), gpt2_model.trace(ids):
-                out = gpt2_model.transformer.h[0].mlp.output.save()
-                got = gpt2_model.output.save()
-            assert torch.equal(out, seen["transformer.h.0.mlp"]) and torch.equal(got.logits, logits)
+        with warnings.catch_warnings():  # (a forward set on the instance warns, by design)
+            warnings.simplefilter("ignore", ForwardReplacedWarning)
+            for _ in range(2):
+                with torch.no_grad(), gpt2_model.trace(ids):
+                    out = gpt2_model.transformer.h[0].mlp.output.save()
+                    got = gpt2_model.output.save()
+                assert torch.equal(out, seen["transformer.h.0.mlp"]) and torch.equal(got.logits, logits)
     finally:
         undo()
     if change == "container's hook":
         assert len(calls) == 2 and runs["handed over"] >= 1  # the general run keeps the hook
+    if change == "instance forward":
+        assert runs["handed over"] >= 2  # a forward of its own: the general run, each time
     _clean(gpt2)
 
 

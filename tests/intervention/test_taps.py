@@ -264,3 +264,69 @@ def _nothing():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x, *, scale):
+        return x * scale
+
+
+class _CallsWithKeywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scale()
+
+    def forward(self, x):
+        return self.inner(x, scale=3.0) + 1
+
+
+def test_a_tapped_module_called_with_keywords_gets_them_read_and_edited(x6):
+    """A wrapper set as `forward` is called as torch calls forwards (`forward(*args, **kwargs)`;
+    natively through vectorcall, with the caller's own argument vector): the keywords reach the
+    module as given, an input event sees them as a dict, and an edit of them is what runs.
+    Each site runs three times: its audit run on the general run, then express runs."""
+    net = _CallsWithKeywords().eval()
+    model = interlace.Model(net)
+    for _ in range(3):
+        with torch.no_grad(), model.trace(x6):
+            out = save(model.inner.output)  # output only: the forward called with the vector
+            result = save(model.output)
+        assert torch.equal(out, x6 * 3) and torch.equal(result, x6 * 3 + 1)
+    for _ in range(3):
+        with torch.no_grad(), model.trace(x6):
+            args, kwargs = model.inner.inputs
+            seen = save((len(args), dict(kwargs)))
+            model.inner.inputs = ((args[0],), {"scale": 5.0})
+            out = save(model.inner.output)
+        assert seen == (1, {"scale": 3.0}) and torch.equal(out, x6 * 5)
+    assert_clean(net)
+
+
+@pytest.mark.parametrize("make", ["tap", "express tap"])
+def test_a_wrapper_outside_a_run_is_the_forward_however_called(make):
+    """Called with no run to serve (a Tap with no event set, an ExpressTap whose run is
+    gone), a wrapper returns what the forward it wraps returns for the same arguments:
+    positional, keywords, unpacked from a tuple and a dict, many of each."""
+    import functools
+    import gc
+    import weakref
+
+    def forward(*args, **kwargs):
+        return args, kwargs
+
+    if make == "tap":
+        wrapper = hotpath.Tap(hotpath.Exchange(torch.is_grad_enabled, torch.set_grad_enabled), forward)
+    else:
+        class Run:
+            pass
+
+        run = Run()
+        wrapper = hotpath.ExpressTap(weakref.ref(run), 3, forward)
+        del run
+        gc.collect()
+    many = tuple(range(12)), {f"k{i}": i for i in range(9)}
+    assert wrapper() == ((), {})
+    assert wrapper(1, 2, k=3) == ((1, 2), {"k": 3})
+    assert wrapper(*many[0], **many[1]) == many
+    assert functools.partial(wrapper, 1, k=2)(3, j=4) == ((1, 3), {"k": 2, "j": 4})
+    assert wrapper.__wrapped__ is forward

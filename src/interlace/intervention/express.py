@@ -226,7 +226,8 @@ class Express(hotpath.ExpressCore):
             instance = module.__dict__
             cached = self.wrappers.get(i)
             if i in wrapped:  # set already in this run (for another key): checked then
-                plan.append((i, module, instance, cached[0], cached[1], cached[2]))
+                plan.append((i, module, instance, cached[0], cached[1], cached[2],
+                             hotpath.PlanCheck()))
                 continue
             # a forward of its own (accelerate's, a user's) or hooks of its own: the general run
             if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
@@ -238,12 +239,12 @@ class Express(hotpath.ExpressCore):
                     return False
                 tap = hotpath.ExpressTap(weakref.ref(self), 2 * i + 1, module.forward)
                 cached = self.wrappers[i] = (tap, cls, forward)
-            plan.append((i, module, instance, cached[0], cls, forward))
+            plan.append((i, module, instance, cached[0], cls, forward, hotpath.PlanCheck()))
         plan = self.plans[index] = tuple(plan)
-        for i, _, instance, wrapper, _, _ in plan:
+        for i, _, instance, wrapper, _, _, check in plan:
             if i not in wrapped:
                 instance["forward"] = wrapper
-                wrapped[i] = (instance, wrapper)
+                wrapped[i] = (instance, wrapper, check)
         return True
 
     # -- the model's side ----------------------------------------------------------------------
