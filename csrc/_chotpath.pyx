@@ -503,6 +503,29 @@ def envoy_indexer(slow):
     return __getitem__
 
 
+def tracer_maker(slow, cls, backend):
+    """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
+    with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
+    `__init__` stores them for that call (`args`, `backend`, `model`, the model's `engine`,
+    no `_run`, no `_batcher`), with no Python frame; a call with any keyword (`remote=`,
+    `trace=`, `tracer_cls=`, the forward's own) is `slow(model, *inputs, **keywords)`'s."""
+    new = object.__new__
+
+    def trace(model, *args, **kwargs):
+        if kwargs:
+            return slow(model, *args, **kwargs)
+        tracer = new(cls)
+        tracer.args = args
+        tracer.backend = backend
+        tracer.model = model  # (the instance's own fields in `__init__`'s order: one key layout)
+        tracer.engine = model.__dict__["_engine"]
+        tracer._run = None
+        tracer._batcher = None
+        return tracer
+
+    return trace
+
+
 def runs_here(MediatorCore mediator not None):
     """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
     body runs on its worker; a generator body (a `GenCore` worker) runs while its generator

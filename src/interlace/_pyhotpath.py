@@ -357,6 +357,30 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
+def tracer_maker(slow, cls, backend):
+    """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
+    with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
+    `__init__` stores them for that call (`args`, `backend`, `model`, the model's `engine`,
+    no `_run`, no `_batcher`); a call with any keyword (`remote=`, `trace=`, `tracer_cls=`,
+    the forward's own) is `slow(model, *inputs, **keywords)`'s. (Compiled: no Python frame.)"""
+    new = object.__new__
+
+    def trace(model, *args, **kwargs):
+        if kwargs:
+            return slow(model, *args, **kwargs)
+        tracer = new(cls)
+        tracer.args = args
+        tracer.kwargs = {}  # (here an unset field reads as None; compiled, as a dict made on use)
+        tracer.backend = backend
+        tracer.model = model  # (the instance's own fields in `__init__`'s order: one key layout)
+        tracer.engine = model.__dict__["_engine"]
+        tracer._run = None
+        tracer._batcher = None
+        return tracer
+
+    return trace
+
+
 def envoy_indexer(slow):
     """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
     is the child Envoy kept in the Envoy's `_positions` when the container's `_modules` still

@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+import interlace
+
 from conftest import encode
 
 
@@ -30,7 +32,9 @@ def test_a_prompt_alone_runs_no_keyword_step(lm):
     lm.trace(ids).release()
     tracer, names = _python_calls(lm.trace, ids)
     tracer.release()
-    assert names == ["trace", "__init__"]
+    # (compiled, the tracer is made with no Python frame: hotpath.tracer_maker; the twin runs
+    # its one closure, the same steps)
+    assert names == ([] if interlace.native else ["trace"])
 
 
 def test_keywords_are_still_split_and_checked(lm, hf_model):
@@ -45,3 +49,21 @@ def test_keywords_are_still_split_and_checked(lm, hf_model):
         lm.trace(ids, temprature=0.5)
     with pytest.raises(TypeError, match="position_ids"):
         lm.trace(ids, position_ids=torch.arange(ids.shape[1])[None])
+
+
+def test_the_compiled_trace_makes_the_tracer_the_python_method_makes(lm):
+    """`trace(*inputs)` with no keyword is made by `hotpath.tracer_maker`; the method it stands
+    for (`__wrapped__`, what every other call runs) makes the same tracer: same class, the
+    same fields in the same order, the same values."""
+    ids = encode(lm.tokenizer, "hello")
+    fast, slow = lm.trace(ids), type(lm).trace.__wrapped__(lm, ids)
+    try:
+        assert type(fast) is type(slow)
+        assert list(vars(fast)) == list(vars(slow))
+        for name in ("model", "engine", "_run", "_batcher", "backend", "block"):
+            assert getattr(fast, name) is getattr(slow, name), name
+        assert len(fast.args) == 1 and fast.args[0] is slow.args[0] is ids
+        assert fast.kwargs == slow.kwargs == {}
+    finally:
+        fast.release()
+        slow.release()

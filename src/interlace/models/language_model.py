@@ -16,7 +16,7 @@ from .fingerprint import fingerprint
 from .inputs import POSITION_IDS, PromptBatcher
 from .inputs import UnknownKeywordError  # noqa: F401 - raised by trace/generate: importable here
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
-from .model import Model, tracer_class
+from .model import Model, compiled_trace, tracer_class
 
 
 class LanguageModel(Model):
@@ -280,6 +280,9 @@ class _Generation(_Run):
                 f"model.generate(...) got keywords that neither generation nor the model take: "
                 f"{error}"
             ) from None
+
+
+LanguageModel.trace = compiled_trace(LanguageModel.trace)
 
 
 def _split_prompt(kwargs):
