@@ -35,6 +35,13 @@ def _zero_wpe(module, x):
         handle.remove()
 
 
+def _same(a, b):
+    """Equal as a batched pass and a pass of one row can be: BLAS may split a matmul of
+    several rows otherwise than one row's (seen on AVX-512: 1e-5 apart), which no leak
+    between items is near (an edit leaking moves the logits by about 1)."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 # -- 1. values the whole batch shares ---------------------------------------------------------
 
 
@@ -52,9 +59,9 @@ def test_an_items_edit_of_a_shared_value_stays_its_own_in_a_sweep(gpt2, gpt2_mod
         plain = gpt2(x).logits[:, -1]
         zeroed = _zero_wpe(gpt2, x)[:, -1]
     assert calls.sizes == [3]  # one batched pass
-    assert not torch.equal(plain, zeroed)
-    assert torch.equal(logits[0], zeroed)
-    assert torch.equal(logits[1], plain) and torch.equal(logits[2], plain)
+    assert not _same(plain, zeroed)
+    assert _same(logits[0], zeroed)
+    assert _same(logits[1], plain) and _same(logits[2], plain)
     assert seen == [torch.Size([1, 6, 64])] * 3  # its shape alone
 
 
@@ -74,7 +81,8 @@ def test_an_invokes_assignment_to_a_shared_value_stays_its_own(gpt2, gpt2_model)
         zeroed = _zero_wpe(gpt2, x)[:, -1]
         wpe = gpt2.transformer.wpe(torch.arange(6)[None])
     assert torch.equal(a, wpe) and a.shape == (1, 6, 64)
-    assert torch.equal(b, plain) and torch.equal(d, plain) and torch.equal(c, zeroed)
+    assert not _same(plain, zeroed)
+    assert _same(b, plain) and _same(d, plain) and _same(c, zeroed)
 
 
 @pytest.fixture(scope="module")

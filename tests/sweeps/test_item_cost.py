@@ -203,7 +203,9 @@ def test_an_items_own_calls_do_not_grow_with_its_batch(model):
         with torch.no_grad(), model.trace(windows[k][None]):
             h0 = model.transformer.h[0].output[0].save()
             h1 = model.transformer.h[1].output[0].save()
-        assert torch.equal(first[k], h0) and torch.equal(last[k], h1)
+        # (batched, BLAS may split the matmuls otherwise than for one window: 1e-5 apart)
+        torch.testing.assert_close(first[k], h0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(last[k], h1, rtol=1e-4, atol=1e-5)
 
 
 def test_entries_made_without_their_job_run_as_each_item_alone(gpt2, model, clean_ids, corrupt,

@@ -401,4 +401,5 @@ def test_rows_written_with_their_batch_are_read_in_place_and_buffered_rows_own_t
     for i, window in enumerate(windows):
         with torch.no_grad(), model.trace(window):
             h = model.transformer.h[0].output[0, -1].save()
-        assert torch.equal(sweep.results["last"][i], h), i
+        # (batched, BLAS may split the matmuls otherwise than for one window: 1e-5 apart)
+        torch.testing.assert_close(sweep.results["last"][i], h, rtol=1e-4, atol=1e-5, msg=str(i))
