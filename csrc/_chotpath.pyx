@@ -239,23 +239,47 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
 
 cdef object _force_eager = None
 cdef object _restore_eager = None
+cdef object _quiet_backends = None
+cdef dict _quiet = None  # the dict `quiet_backends()` gave when `force_eager` had nothing to do,
+cdef Py_ssize_t _quiet_size = -1  # and its size then
 cdef object _close_body = None
 cdef object _stops = ()
 cdef tuple _hidden = ()
 
 
-def configure_express(force_eager, restore, close_body, stops, hidden):
+def configure_express(force_eager, restore, quiet_backends, close_body, stops, hidden):
     """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
-    compiled model runs eagerly during a run), `close_body(gen, context, token)` (a body
+    compiled model runs eagerly during a run; `quiet_backends()`, after `force_eager` gave
+    None, the dict whose unchanged size means it would give None again, or None: the run
+    calls `force_eager` only when that size changed), `close_body(gen, context, token)` (a body
     that did not end); `stops`, the exceptions by which a failed or stopped body ends the
     forward from a wrapper; `hidden`, the names of a generator body's hidden parameters,
     dropped from its final locals (as `DeferredBody.generator_locals` drops them)."""
-    global _force_eager, _restore_eager, _close_body, _stops, _hidden
+    global _force_eager, _restore_eager, _quiet_backends, _quiet, _quiet_size, _close_body
+    global _stops, _hidden
     _force_eager = force_eager
     _restore_eager = restore
+    _quiet_backends = quiet_backends
+    _quiet = None
+    _quiet_size = -1
     _close_body = close_body
     _stops = tuple(stops)
     _hidden = tuple(hidden)
+
+
+cdef object _eager_run():
+    # `force_eager()`, unless the dict it last had nothing to do for has kept its size
+    global _quiet, _quiet_size
+    if _quiet is not None and len(_quiet) == _quiet_size:
+        return None
+    eager = _force_eager()
+    _quiet = None
+    if eager is None:
+        quiet = _quiet_backends()
+        if type(quiet) is dict:
+            _quiet_size = len(<dict>quiet)
+            _quiet = <dict>quiet
+    return eager
 
 
 cdef class MediatorCore:
@@ -1513,7 +1537,7 @@ cdef class ExpressCore:
         self.body = body
         self.out = out
         self.cut = self.dead = False
-        eager = _force_eager()
+        eager = _eager_run()
         try:
             state = self.state
             # the body's contextvars are its own, and `.save()` saves into its save state

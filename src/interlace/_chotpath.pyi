@@ -81,6 +81,7 @@ def configure(
 def configure_express(
     force_eager: Callable[[], Any],
     restore: Callable[[Any], Any],
+    quiet_backends: Callable[[], Any],
     close_body: Callable[[Any, Any, Any], Any],
     stops: tuple,
     hidden: tuple,

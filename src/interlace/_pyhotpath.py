@@ -192,15 +192,35 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
                        gen_worker=gen_worker)
 
 
-def configure_express(force_eager, restore, close_body, stops, hidden):
+def configure_express(force_eager, restore, quiet_backends, close_body, stops, hidden):
     """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
-    compiled model runs eagerly during a run), `close_body(gen, context, token)` (a body
+    compiled model runs eagerly during a run; `quiet_backends()`, after `force_eager` gave
+    None, the dict whose unchanged size means it would give None again, or None: the run
+    calls `force_eager` only when that size changed), `close_body(gen, context, token)` (a body
     that did not end); `stops`, the exceptions by which a failed or stopped body ends the
     forward from a wrapper; `hidden`, the names of a generator body's hidden parameters,
     dropped from its final locals (as `DeferredBody.generator_locals` drops them; the
     compiled run drops them itself, the twin's policy calls that)."""
-    _configured.update(force_eager=force_eager, restore=restore, close_body=close_body,
-                       stops=tuple(stops), hidden=tuple(hidden))
+    _configured.update(force_eager=force_eager, restore=restore, quiet_backends=quiet_backends,
+                       close_body=close_body, stops=tuple(stops), hidden=tuple(hidden))
+    _quiet[:] = [None, -1]
+
+
+_quiet = [None, -1]  # the dict `quiet_backends()` gave when `force_eager` had nothing to do, its size
+
+
+def _eager_run():
+    """`force_eager()`, unless the dict it last had nothing to do for has kept its size."""
+    quiet, size = _quiet
+    if quiet is not None and len(quiet) == size:
+        return None
+    eager = _configured["force_eager"]()
+    _quiet[:] = [None, -1]
+    if eager is None:
+        quiet = _configured["quiet_backends"]()
+        if type(quiet) is dict:
+            _quiet[:] = [quiet, len(quiet)]
+    return eager
 
 
 class MediatorCore:
@@ -1125,7 +1145,7 @@ class ExpressCore:
         self.body = body
         self.out = out
         self.cut = self.dead = False
-        eager = _configured["force_eager"]()
+        eager = _eager_run()
         try:
             state = self.state
             # the body's contextvars are its own, and `.save()` saves into its save state

@@ -161,6 +161,59 @@ def test_the_stance_is_restored_after_a_failing_trace():
     assert block.calls == calls + 1  # compiled again: the stance went back to "default"
 
 
+COMPILED_BETWEEN_WARM_TRACES = """
+import torch, torch._dynamo, interlace
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.fused = None
+        self.eager_runs = 0
+
+    def _fused(self, x):
+        if not torch.compiler.is_compiling():
+            self.eager_runs += 1
+        return torch.relu(x)
+
+    def forward(self, x):
+        x = self.inner(x)
+        return self.fused(x) if self.fused is not None else torch.relu(x)
+
+net = Block()
+model = interlace.Model(net)
+x = torch.randn(2, 4)
+
+def traced():
+    with torch.no_grad(), model.trace(x):
+        h = model.inner.output.save()
+    return h
+
+for _ in range(3):  # the audit, then express runs: dynamo imported, nothing compiled
+    traced()
+net.fused = torch.compile(net._fused, backend="eager")
+with torch.no_grad():
+    net(x)  # compiled: the graph runs, not the Python code
+before = net.eager_runs
+for _ in range(3):  # dynamo's backends changed since the runs above: each trace runs eagerly
+    traced()
+assert net.eager_runs == before + 3, (before, net.eager_runs)
+with torch.no_grad():
+    net(x)
+assert net.eager_runs == before + 3  # and the graph again outside traces
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_function_compiled_between_warm_traces_runs_eagerly_in_the_next():
+    """The express run asks `compiled.force_eager` only when dynamo's backends changed since
+    it last had nothing to do (`compiled.quiet_backends`): something compiled after warm
+    traces must still run eagerly in the next ones. In a fresh interpreter: what dynamo has
+    compiled is process-wide."""
+    assert run_fresh(COMPILED_BETWEEN_WARM_TRACES) == "ok"
+
+
 # -- nnsight in the same process -------------------------------------------------------------------
 NNSIGHT_SIDE_BY_SIDE = """
 import copy

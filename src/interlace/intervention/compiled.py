@@ -60,6 +60,18 @@ def force_eager():
     return _Eager
 
 
+def quiet_backends():
+    """The dict whose size alone says that `force_eager` has nothing new to do: dynamo's
+    cached backends while nothing was compiled in this process (`force_eager` returned None
+    for them), else None (ask `force_eager`). The compiled express run keeps it and asks
+    `force_eager` again only once its size changed (as `force_eager` itself looks first)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or _Eager.compiled:
+        return None
+    backends = eval_frame.cached_backends
+    return backends if len(backends) == _Eager.seen else None
+
+
 def restore(token) -> None:
     """End what `force_eager` started; the last trace to end puts the prior stance back."""
     if token is None:

@@ -70,7 +70,8 @@ _NONE = -1  # no key
 _FORWARD, _ROOT_FIRED, _RESULT_FIRED = hotpath.FORWARD, hotpath.ROOT_FIRED, hotpath.RESULT_FIRED
 
 
-hotpath.configure_express(compiled.force_eager, compiled.restore, close_generator_body,
+hotpath.configure_express(compiled.force_eager, compiled.restore, compiled.quiet_backends,
+                          close_generator_body,
                           (_Abort, _Stop), (LOCALS_PARAM, *GENERATOR_PARAMS))
 
 
