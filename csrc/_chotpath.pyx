@@ -527,18 +527,29 @@ def envoy_indexer(slow):
     return __getitem__
 
 
+cdef extern from *:
+    """
+    /* `object.__new__(cls)` for a class made by `class` (what `cls()` makes before __init__):
+       object's tp_new called directly, with no argument tuple made per call. */
+    static PyObject *ilh_object_new(PyObject *cls) {
+        static PyObject *no_args = NULL;
+        if (no_args == NULL && (no_args = PyTuple_New(0)) == NULL) return NULL;
+        return PyBaseObject_Type.tp_new((PyTypeObject *)cls, no_args, NULL);
+    }
+    """
+    object ilh_object_new(object cls)
+
+
 def tracer_maker(slow, cls, backend):
     """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
     with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
     `__init__` stores them for that call (`args`, `backend`, `model`, the model's `engine`,
     no `_run`, no `_batcher`), with no Python frame; a call with any keyword (`remote=`,
     `trace=`, `tracer_cls=`, the forward's own) is `slow(model, *inputs, **keywords)`'s."""
-    new = object.__new__
-
     def trace(model, *args, **kwargs):
         if kwargs:
             return slow(model, *args, **kwargs)
-        tracer = new(cls)
+        tracer = ilh_object_new(cls)  # (`object.__new__(cls)`, with no builtin call)
         tracer.args = args
         tracer.backend = backend
         tracer.model = model  # (the instance's own fields in `__init__`'s order: one key layout)
