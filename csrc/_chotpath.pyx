@@ -540,11 +540,11 @@ cdef extern from *:
     object ilh_object_new(object cls)
 
 
-def tracer_maker(slow, cls, backend):
+def tracer_maker(slow, cls, backend, unset):
     """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
     with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
     `__init__` stores them for that call (`args`, `backend`, `model`, the model's `engine`,
-    no `_run`, no `_batcher`), with no Python frame; a call with any keyword (`remote=`,
+    then each name of `unset` as None), with no Python frame; a call with any keyword (`remote=`,
     `trace=`, `tracer_cls=`, the forward's own) is `slow(model, *inputs, **keywords)`'s."""
     def trace(model, *args, **kwargs):
         if kwargs:
@@ -554,8 +554,8 @@ def tracer_maker(slow, cls, backend):
         tracer.backend = backend
         tracer.model = model  # (the instance's own fields in `__init__`'s order: one key layout)
         tracer.engine = model.__dict__["_engine"]
-        tracer._run = None
-        tracer._batcher = None
+        for name in unset:
+            setattr(tracer, name, None)
         return tracer
 
     return trace

@@ -377,11 +377,11 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
-def tracer_maker(slow, cls, backend):
+def tracer_maker(slow, cls, backend, unset):
     """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
     with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
     `__init__` stores them for that call (`args`, `backend`, `model`, the model's `engine`,
-    no `_run`, no `_batcher`); a call with any keyword (`remote=`, `trace=`, `tracer_cls=`,
+    then each name of `unset` as None); a call with any keyword (`remote=`, `trace=`, `tracer_cls=`,
     the forward's own) is `slow(model, *inputs, **keywords)`'s. (Compiled: no Python frame.)"""
     new = object.__new__
 
@@ -394,8 +394,8 @@ def tracer_maker(slow, cls, backend):
         tracer.backend = backend
         tracer.model = model  # (the instance's own fields in `__init__`'s order: one key layout)
         tracer.engine = model.__dict__["_engine"]
-        tracer._run = None
-        tracer._batcher = None
+        for name in unset:
+            setattr(tracer, name, None)
         return tracer
 
     return trace

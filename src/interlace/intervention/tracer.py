@@ -15,6 +15,7 @@ import itertools
 import operator
 import sys
 
+from .._native import hotpath
 from ..errors import InterlaceError
 from ..tracing import Backend, Tracer
 from ..tracing.generators import Ready
@@ -174,6 +175,15 @@ _TRACER_INIT = Tracer.__init__  # TracerBase's (C natively): what stores the fie
 # empty dict must be stored; natively it reads as an empty dict made on first read.
 _EMPTY_KWARGS_STORED = Tracer.kwargs is None
 InterleavingTracer._fields_direct = _next_init(InterleavingTracer) is _TRACER_INIT
+
+
+def compiled_trace(slow):
+    """A wrapper's `trace` whose common call, `model.trace(*inputs)` with no keyword, makes its
+    InterleavingTracer in the compiled extension (`hotpath.tracer_maker`: no Python frame, as
+    `slow` would make it for that call: `model`, `engine`, then `_run` and `_batcher` unset);
+    every other call is `slow`'s. help() and `inspect.signature` show `slow`."""
+    return functools.wraps(slow)(
+        hotpath.tracer_maker(slow, InterleavingTracer, _INTERLEAVING, ("_run", "_batcher")))
 
 
 class Invoker(Tracer):

@@ -10,13 +10,13 @@ import torch
 
 from ..intervention.access import engine_of, module_of
 from ..intervention.session import check_remote
-from ..intervention.tracer import InterleavingTracer
+from ..intervention.tracer import InterleavingTracer, compiled_trace
 from . import inputs as _inputs
 from .fingerprint import fingerprint
 from .inputs import POSITION_IDS, PromptBatcher
 from .inputs import UnknownKeywordError  # noqa: F401 - raised by trace/generate: importable here
 from .loading import automodel_for_task, load_model, load_tokenizer, resolve_dtype
-from .model import Model, compiled_trace, tracer_class
+from .model import Model, tracer_class
 
 
 class LanguageModel(Model):

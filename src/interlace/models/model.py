@@ -9,12 +9,10 @@ their tracers what one run calls (a forward with keywords, a generation).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
-from .._native import hotpath
 from ..errors import InterlaceError
 from ..intervention import edit as _edit
 from ..intervention import aliases
@@ -23,7 +21,7 @@ from ..intervention.batching import Batcher
 from ..intervention.engine import Engine
 from ..intervention.envoy import COLLISION_PREFIX, ROOT_CLASS, SERVED, Envoy, served_collisions
 from ..intervention.session import Session, check_remote
-from ..intervention.tracer import _INTERLEAVING, InterleavingTracer
+from ..intervention.tracer import InterleavingTracer, compiled_trace
 from .export import AS_GIVEN, export, noop
 
 
@@ -193,14 +191,6 @@ def tracer_class(given, default, what):
             f"interlace.intervention.tracer.InterleavingTracer (made as {default.__name__} is)"
         )
     return given
-
-
-def compiled_trace(slow):
-    """A wrapper's `trace` whose common call, `model.trace(*inputs)` with no keyword, makes its
-    InterleavingTracer in the compiled extension (`hotpath.tracer_maker`: no Python frame, as
-    `slow` would make it for that call); every other call is `slow`'s. help() and
-    `inspect.signature` show `slow`."""
-    return functools.wraps(slow)(hotpath.tracer_maker(slow, InterleavingTracer, _INTERLEAVING))
 
 
 Model.trace = compiled_trace(Model.trace)
