@@ -28,7 +28,8 @@ So each contender is counted in `--layouts` processes, each shifted before anyth
 imported by a different number of types given version tags and of small objects kept alive
 (layout 0: none), with the cyclic collector off (and its threshold out of reach) around the
 marked traces; the table gives the median and the range per contender, and the median over
-the raw forward and over plain hooks. A layout is the same for every contender, so the columns compare like with like.
+the raw forward and over plain hooks. A layout is the same for every contender, so the
+columns compare like with like.
 Needs valgrind and a C compiler (`steps.py`'s helper); says so and exits 0 without them.
 """
 
