@@ -230,6 +230,25 @@ cdef class Reader:
         return serve(obj, name)
 
 
+
+cdef class Writer:
+    """`writer(value, obj, name)`: `type(obj).<method>(obj, name, value)` when the type has
+    `method`, else `fallback(value, obj, name)`. A generator body's attribute assignment
+    (tracing/generators.py), called for every one there: one C call, no Python frame."""
+
+    cdef object method
+    cdef object fallback
+
+    def __init__(self, str method, fallback):
+        self.method = method
+        self.fallback = fallback
+
+    def __call__(self, value, obj, name):
+        serve = getattr(type(obj), self.method, None)
+        if serve is None:
+            return self.fallback(value, obj, name)
+        return serve(obj, name, value)
+
 def _forget_starts(ref, key):
     """A monitored code object went: drop its entry (unless a new one has its id)."""
     entry = _starts.get(key)

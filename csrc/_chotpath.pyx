@@ -498,6 +498,24 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
+
+def envoy_writer(output, policy):
+    """`Envoy.__interlace_write__` (intervention/envoy.py makes it once): a generator body's
+    `envoy.output = value` while an express run of its model is on is that run's
+    `writer(2 * _index + 1, value)`, when `type(envoy)` serves `output` with the Envoy's own
+    property `output`; any other assignment is `policy(envoy, name, value)`. The common
+    edit with no Python frame."""
+
+    def __interlace_write__(envoy, name, value):
+        if name == "output" and type(envoy).output is output:
+            fields = envoy.__dict__
+            run = fields["_engine"].express
+            if run is not None:
+                return run.writer(2 * <Py_ssize_t>fields["_index"] + 1, value)
+        return policy(envoy, name, value)
+
+    return __interlace_write__
+
 def envoy_indexer(slow):
     """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
     is the child Envoy kept in the Envoy's `_positions` when the container's `_modules` still
@@ -1467,6 +1485,26 @@ cdef class ExpressCore:
                     return read
         return self.generator_read(key)
 
+    def writer(self, Py_ssize_t key, value):
+        """Body side: what a generator body's `yield from` runs to set module output `key`
+        to `value` (the Envoy's `.output = value`): as `reader`, an `_ExpressRead` that
+        makes the write (the run's `value`, `replaced`, `last_write`) once the key is served
+        and returns None; every other case is `generator_write(key, value)`'s (policy)."""
+        cdef _ExpressRead read
+        gen = self.gen
+        if self.interleaver is None and gen is not None:
+            frame = gen.gi_frame
+            if <PyObject *>frame == ilh_current_frame():
+                if key == self.serving or self.c_ahead(key):
+                    read = _ExpressRead.__new__(_ExpressRead)
+                    read.run = self
+                    read.key = key
+                    read.ready = key == self.serving
+                    read.writes = True
+                    read.written = value
+                    return read
+        return self.generator_write(key, value)
+
     def ahead(self, Py_ssize_t key):
         """Can this run serve `key` (and are the wrappers for it set)?"""
         return self.c_ahead(key)
@@ -1547,7 +1585,7 @@ cdef class ExpressCore:
         route) beside it, its final locals into `out`; the caller took `engine`'s lock for
         this thread, which this releases. The common run, start to end, with no Python
         frame; the policy's methods take every other case (`_general_from_start`, `_raise`,
-        `_stopped`, `_model_failed`, `_after_return`, `_close_general`: after a hand-over,
+        `_stopped`, `_model_failed` (after a write or a hand-over), `_after_return`, `_close_general`: after a hand-over,
         the general run's)."""
         self.engine = engine
         self.body = body
@@ -1574,8 +1612,8 @@ cdef class ExpressCore:
             except _stops:  # a body failed in a wrapper (or stopped, handed over)
                 return self._stopped()
             except Exception as error:
-                if self.interleaver is not None:
-                    self._model_failed(error)
+                if self.interleaver is not None or self.last_write is not None:
+                    self._model_failed(error)  # (the policy names the body's last write)
                 raise
             self.stage = _RETURNED
             if self.interleaver is None and self.want == -1:
@@ -1825,6 +1863,8 @@ cdef class _ExpressRead:
     cdef bint waiting
     cdef bint returned    # `step`'s result is the read's value (StopIteration), not a yield
     cdef object inner     # after a hand-over: the general run's read
+    cdef bint writes      # a write (`ExpressCore.writer`) of `written`, not a read
+    cdef object written
 
     def __iter__(self):
         return self
@@ -1857,21 +1897,29 @@ cdef class _ExpressRead:
             _raise_current()
         if run is None:
             raise StopIteration  # (already returned)
-        if self.ready:
-            self.run = None
-            self.returned = True
-            return run.value
-        if not self.waiting:
-            self.waiting = True
-            self.returned = False
-            return ~self.key
-        if payload is not None and payload is run.handover:
-            self.run = None
-            self.inner = run._read_over(self.key)
-            return self.step(None)
+        if not self.ready:
+            if not self.waiting:
+                self.waiting = True
+                self.returned = False
+                return ~self.key
+            if payload is not None and payload is run.handover:
+                self.run = None
+                if self.writes:
+                    self.inner = run._read_over(self.key, self.written)
+                    self.written = None
+                else:
+                    self.inner = run._read_over(self.key)
+                return self.step(None)
         self.run = None
         self.returned = True
-        return run.value
+        if not self.writes:
+            return run.value
+        # the write, in the body's frame (its line is the assignment's)
+        run.value, self.written = self.written, None
+        run.replaced = True
+        frame = run.gen.gi_frame
+        run.last_write = (self.key, frame.f_code.co_filename, frame.f_lineno)
+        return None
 
 
 cdef PyObject *_expressread_next(PyObject *self) except NULL:

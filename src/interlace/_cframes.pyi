@@ -110,6 +110,14 @@ class Reader:
     def __init__(self, method: str, fallback: Any) -> None: ...
     def __call__(self, obj: Any, name: str) -> Any: ...
 
+class Writer:
+    """`writer(value, obj, name)`: `type(obj).<method>(obj, name, value)` when the type has
+    `method`, else `fallback(value, obj, name)` (a generator body's attribute assignment;
+    compiled: no Python frame)."""
+
+    def __init__(self, method: str, fallback: Any) -> None: ...
+    def __call__(self, value: Any, obj: Any, name: str) -> Any: ...
+
 def tracer_methods(
     cls: type,
     enter: Any,

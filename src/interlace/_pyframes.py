@@ -416,6 +416,27 @@ class Reader:
         return serve(obj, name)
 
 
+
+class Writer:
+    """`writer(value, obj, name)`: `type(obj).<method>(obj, name, value)` when the type has
+    `method`, else `fallback(value, obj, name)`. A generator body's attribute assignment
+    (tracing/generators.py), called for every one there (compiled: one C call, no Python
+    frame)."""
+
+    __slots__ = ("method", "fallback")
+
+    def __init__(self, method, fallback):
+        if type(method) is not str:
+            raise TypeError(f"Argument 'method' has incorrect type (expected str, got {type(method).__name__})")
+        self.method = method
+        self.fallback = fallback
+
+    def __call__(self, value, obj, name):
+        serve = getattr(type(obj), self.method, None)
+        if serve is None:
+            return self.fallback(value, obj, name)
+        return serve(obj, name, value)
+
 # -- a trace's per-trace steps (C in the compiled module: no Python frame there) -------------
 class TraceState:
     """One trace's save set and nesting depth.

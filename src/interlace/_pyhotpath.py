@@ -377,6 +377,24 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
+def envoy_writer(output, policy):
+    """`Envoy.__interlace_write__` (intervention/envoy.py makes it once): a generator body's
+    `envoy.output = value` while an express run of its model is on is that run's
+    `writer(2 * _index + 1, value)`, when `type(envoy)` serves `output` with the Envoy's own
+    property `output`; any other assignment is `policy(envoy, name, value)`. (Compiled: the
+    common edit with no Python frame.)"""
+
+    def __interlace_write__(envoy, name, value):
+        if name == "output" and type(envoy).output is output:
+            fields = envoy.__dict__
+            run = fields["_engine"].express
+            if run is not None:
+                return run.writer(2 * fields["_index"] + 1, value)
+        return policy(envoy, name, value)
+
+    return __interlace_write__
+
+
 def tracer_maker(slow, cls, backend, unset):
     """`Model.trace` and `LanguageModel.trace` (models/ make each once): `model.trace(*inputs)`
     with no keyword makes the `cls` (InterleavingTracer) itself, its fields stored as its
@@ -1094,6 +1112,11 @@ class ExpressCore:
         (the Envoy's `.output`): `generator_read(key)`."""
         return self.generator_read(key)
 
+    def writer(self, key, value):
+        """Body side: what a generator body's `yield from` runs to set module output `key`
+        to `value` (the Envoy's `.output = value`): `generator_write(key, value)`."""
+        return self.generator_write(key, value)
+
     def ahead(self, key):
         """Can this run serve `key` (and are the wrappers for it set)?"""
         result_key = self.result_key
@@ -1139,7 +1162,7 @@ class ExpressCore:
         route) beside it, its final locals into `out`; the caller took `engine`'s lock for
         this thread, which this releases. The common run, start to end; the policy's
         methods take every other case (`_general_from_start`, `_raise`, `_stopped`,
-        `_model_failed`, `_after_return`, `_close_general`: after a hand-over, the general
+        `_model_failed` (after a write or a hand-over), `_after_return`, `_close_general`: after a hand-over, the general
         run's). (Compiled: no Python frame.)"""
         self.engine = engine
         self.body = body
@@ -1165,8 +1188,8 @@ class ExpressCore:
             except _configured["stops"]:  # a body failed in a wrapper (or stopped, handed over)
                 return self._stopped()
             except Exception as error:
-                if self.interleaver is not None:
-                    self._model_failed(error)
+                if self.interleaver is not None or self.last_write is not None:
+                    self._model_failed(error)  # (the policy names the body's last write)
                 raise
             self.stage = RETURNED
             if self.interleaver is None and self.want == -1:

@@ -262,6 +262,74 @@ def test_a_read_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch
     assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
 
 
+def test_a_write_ahead_waits_for_its_module_then_replaces_the_value(gpt2, gpt2_model, ids, runs):
+    """`mlp.output = value` for a module the model has not reached yet (nothing read there
+    first): the compiled write waits (`ExpressCore.writer`) and replaces the output once
+    the module returns, as a plain hook returning `value` would."""
+    shape = _hooked(gpt2, ids, ["transformer.h.1.mlp"])[0]["transformer.h.1.mlp"].shape
+    value = torch.full(shape, 0.5)
+    _, logits = _hooked(gpt2, ids, [], edit={"transformer.h.1.mlp": lambda output: value})
+    for _ in range(3):
+        with torch.no_grad(), gpt2_model.trace(ids):
+            gpt2_model.transformer.h[1].mlp.output = value
+            written = gpt2_model.transformer.h[1].mlp.output.save()
+            out = gpt2_model.lm_head.output.save()
+        assert written is value and torch.equal(out, logits)
+    assert runs == {"express": 2, "handed over": 0}
+    _clean(gpt2)
+
+
+def test_a_write_ahead_the_model_then_fails_on_is_named_at_its_line(gpt2_model, ids, runs):
+    import inspect
+
+    lines, first = inspect.getsourcelines(test_a_write_ahead_the_model_then_fails_on_is_named_at_its_line)
+    line = first + next(i for i, text in enumerate(lines) if text.strip().startswith("gpt2_model.transformer.h[1].mlp.output ="))
+    notes = []
+    for width in (64, 7, 7):
+        try:
+            with torch.no_grad(), gpt2_model.trace(ids):
+                gpt2_model.transformer.h[1].mlp.output = torch.zeros(2, 12, width)
+        except RuntimeError as error:
+            notes.append(getattr(error, "__notes__", None))
+    expected = (f"interlace: the trace body set model.transformer.h.1.mlp.output at {__file__}:{line} "
+                f"before the model raised this; check the value assigned there")
+    assert notes == [[expected]] * 2 if sys.version_info >= (3, 11) else len(notes) == 2
+    assert runs["express"] == 2
+
+
+def _write_b(model, x):
+    with torch.no_grad(), model.trace(x):
+        model.b.output = torch.zeros(1, 2)
+        got = model.b.output.save()
+    return got
+
+
+@pytest.mark.parametrize("express_on", [True, False])
+def test_a_write_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch, runs, express_on):
+    """As for a waiting read: the body waits to write `b`, which this forward never calls;
+    the waiting write (`_ExpressRead` making a write) is asked of the general run, with the
+    same error as with the express run off, and the module is as it was after."""
+    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
+    net = _Skips()
+    model = interlace.Model(net)
+    x = torch.ones(1, 2)
+    for _ in range(3):
+        assert torch.equal(_write_b(model, x), torch.zeros(1, 2))
+    net.use_b = False
+    with pytest.raises(Exception) as raised:
+        _write_b(model, x)
+    handed_over = runs["handed over"]
+    monkeypatch.setattr(engine_module, "_EXPRESS", False)
+    with pytest.raises(Exception) as general:
+        _write_b(model, x)
+    assert type(raised.value) is type(general.value) and str(raised.value) == str(general.value)
+    assert handed_over == (1 if express_on else 0)
+    net.use_b = True
+    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
+    assert torch.equal(_write_b(model, x), torch.zeros(1, 2))
+    assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
+
+
 def test_a_module_call_in_the_body_hands_over_mid_forward(gpt2, gpt2_model, ids, runs):
     seen, logits = _hooked(gpt2, ids, ["transformer.h.0", "transformer.h.1"])
     for _ in range(3):

@@ -358,8 +358,10 @@ class Envoy:
             return args, kwargs
         return first_input(inputs, self._path)
 
-    def __interlace_write__(self, name, value):
-        """`self.<name> = value` in a generator body (see `__interlace_read__`)."""
+    def _interlace_write(self, name, value):
+        """`__interlace_write__`'s policy, `self.<name> = value` in a generator body (see
+        `__interlace_read__`): every assignment the compiled one (`hotpath.envoy_writer`,
+        set below the class: `.output` in an express run) does not make itself."""
         engine = self._engine
         interleaver = engine.express or engine.general_run  # (see `__interlace_read__`)
         if interleaver is None or getattr(type(self), name, None) is not _ENVOY_READS.get(name):
@@ -405,6 +407,7 @@ _ENVOY_READS = {name: Envoy.__dict__[name] for name in ("output", "input", "inpu
 _OUTPUT = _ENVOY_READS["output"]
 Envoy.__interlace_read__ = hotpath.envoy_reader(_OUTPUT, Envoy._interlace_read)
 Envoy.__getitem__ = hotpath.envoy_indexer(Envoy._getitem)
+Envoy.__interlace_write__ = hotpath.envoy_writer(_OUTPUT, Envoy._interlace_write)
 
 
 class Attached(Envoy):

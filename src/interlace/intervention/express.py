@@ -41,10 +41,9 @@ from greenlet import getcurrent
 
 from .._native import hotpath
 from ..tracing.block import GENERATOR_PARAMS, LOCALS_PARAM
-from ..tracing.tracer import user_frame
 from . import compiled
 from .hooks import GLOBAL_HOOKS, _OWN_HOOKS, _tappable
-from .interleaver import Interleaver, _Abort, _Stop
+from .interleaver import Interleaver, _Abort, _Stop, note_last_write
 from .body import BodyJob
 from .mediator import (
     DONE,
@@ -113,9 +112,12 @@ class Express(hotpath.ExpressCore):
         return self.interleaver._end(None)
 
     def _model_failed(self, error):
-        """The model raised `error` after a hand-over: the general run hears of it (`run`
-        raises it then)."""
-        self.interleaver._model_raised(error)
+        """The model raised `error` after a hand-over (the general run hears of it) or after
+        the body wrote a value (the error names that write's line); `run` raises it then."""
+        if self.interleaver is not None:
+            self.interleaver._model_raised(error)
+        else:
+            note_last_write(error, self.state, self.last_write)
 
     def _close_general(self, interleaver):
         """The run's end after a hand-over: the general run takes off what it set."""
@@ -191,18 +193,20 @@ class Express(hotpath.ExpressCore):
             return (yield from interleaver.generator_read(key))
         return (yield from interleaver.generator_read(key, value))
 
-    def _read_over(self, key):
-        """The general run's read of `key`, for a read that waited at the hand-over."""
-        return self.interleaver.generator_read(key)
+    def _read_over(self, key, value=_READ):
+        """The general run's read of `key` (with `value`: its write), for a read or write
+        that waited at the hand-over."""
+        if value is _READ:
+            return self.interleaver.generator_read(key)
+        return self.interleaver.generator_read(key, value)
 
     def generator_write(self, key, value):
         """`Interleaver.generator_write` while this run serves the body."""
         return self.generator_read(key, value)
 
     def _written(self, key, value):
-        frame = user_frame(sys._getframe(2))
-        if frame is not None:
-            self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
+        frame = self.gen.gi_frame  # (the write is in the body's own frame, at its line)
+        self.last_write = (key, frame.f_code.co_filename, frame.f_lineno)
         self.value = value
         self.replaced = True
         return None

@@ -82,6 +82,17 @@ def _one_generator_route(fns):
     return all(map(operator.is_, blocks, itertools.repeat(block)))
 
 
+def note_last_write(error, state, last_write):
+    """Add to `error`, which the model raised, where the body last set a value (`last_write`:
+    (key, filename, lineno), or None): the likeliest cause (3.11+: a note)."""
+    if last_write is not None and hasattr(error, "add_note"):
+        key, filename, lineno = last_write
+        error.add_note(
+            f"interlace: the trace body set {state.key_name(key)} at {filename}:{lineno} "
+            f"before the model raised this; check the value assigned there"
+        )
+
+
 class Interleaver(hotpath.Exchange):
     """One run of a model with its mediators (one per body / invoke).
 
@@ -286,13 +297,7 @@ class Interleaver(hotpath.Exchange):
 
     def _model_raised(self, error):
         self.model_failed = True
-        if self.last_write is not None and hasattr(error, "add_note"):
-            key, filename, lineno = self.last_write
-            error.add_note(
-                f"interlace: the trace body set {self.state.key_name(key)} at "
-                f"{filename}:{lineno} before "
-                f"the model raised this; check the value assigned there"
-            )
+        note_last_write(error, self.state, self.last_write)
 
     def _hand_result(self, result):
         """The model call is over: learn its order (a first run), hand its result over."""

@@ -320,13 +320,16 @@ not there yet, and returns it), else the value read at once (`Ready`). Compiled:
 frame per read."""
 
 
-def write(value, obj, name):
-    """`obj.<name> = value` in a generator body (`type(obj).__interlace_write__`, else setattr)."""
-    serve = getattr(type(obj), "__interlace_write__", None)
-    if serve is None:
-        setattr(obj, name, value)
-        return Ready(None)
-    return serve(obj, name, value)
+def _write_at_once(value, obj, name):
+    setattr(obj, name, value)
+    return Ready(None)
+
+
+write = frames.Writer("__interlace_write__", _write_at_once)
+"""`write(value, obj, name)`: `obj.<name> = value` in a generator body, as what the body's
+`yield from` runs: the iterator `type(obj).__interlace_write__(obj, name, value)` returns
+(it yields while the location is not there yet), else the assignment made at once
+(`Ready(None)`). Compiled: no Python frame per assignment."""
 
 
 class Ready:
