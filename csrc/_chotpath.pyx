@@ -267,6 +267,26 @@ def configure_express(force_eager, restore, quiet_backends, close_body, stops, h
     _hidden = tuple(hidden)
 
 
+
+cdef object _plain_job = None        # see `plain_job`
+cdef object _plain_generator = None
+cdef object _plain_finish = None
+cdef tuple _plain_hidden = ()
+
+
+def plain_job(cls, hidden):
+    """Take in C the steps of a `cls` job (intervention.body.BodyJob) that are mechanism, while
+    the class's `generator` and `finish` are the ones it has now (a subclass, or a method
+    replaced since, is called as usual): its `generator()` is `(job.body.generator(),
+    job.body.state)` and its `finish(values)` is `job.out.update(values)` less the `hidden`
+    names (as `DeferredBody.generator_locals` drops them). No Python frame per body for
+    either."""
+    global _plain_job, _plain_generator, _plain_finish, _plain_hidden
+    _plain_job = cls
+    _plain_generator = cls.generator
+    _plain_finish = cls.finish
+    _plain_hidden = tuple(hidden)
+
 cdef object _eager_run():
     # `force_eager()`, unless the dict it last had nothing to do for has kept its size
     global _quiet, _quiet_size
@@ -337,9 +357,15 @@ cdef class MediatorCore:
 
     def start_generator_job(self, list pool=None):
         """`start` for a generator body made by its job: `fn.generator()` gives the body's
-        generator and save state, and a worker of the configured `gen_worker` class made for
-        them runs it (`start_generator`)."""
-        gen, state = self.fn.generator()
+        generator and save state (a plain job's, `plain_job`, taken here), and a worker of
+        the configured `gen_worker` class made for them runs it (`start_generator`)."""
+        fn = self.fn
+        if type(fn) is _plain_job and _plain_job.generator is _plain_generator:
+            body = fn.body
+            gen = body.generator()
+            state = body.state
+        else:
+            gen, state = fn.generator()
         return first_switch(self, _gen_worker(self, gen, state), None, pool)
 
     def release(self, list pool):
@@ -446,10 +472,17 @@ cdef class GenCore:
 
     def returned(self, values):
         """`switch`'s end when the body returned its final locals `values`: its job's
-        `finish(values)` (the mediator let go first: no cycle left); DONE."""
+        `finish(values)` (the mediator let go first: no cycle left; a plain job's, `plain_job`,
+        taken here); DONE."""
         mediator = self.mediator
         self.mediator = None
-        mediator.fn.finish(values)
+        fn = (<MediatorCore?>mediator).fn
+        if type(fn) is _plain_job and _plain_job.finish is _plain_finish:
+            for name in _plain_hidden:
+                del (<dict?>values)[name]
+            (<dict?>fn.out).update(values)
+        else:
+            fn.finish(values)
         return 2  # DONE
 
     def switch(self, payload=None):
@@ -578,6 +611,26 @@ def tracer_maker(slow, cls, backend, unset):
 
     return trace
 
+
+
+def invoker_maker(slow, cls, backend):
+    """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
+    with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
+    inputs of its own), makes the `cls` (Invoker) itself, its fields stored as its `__init__`
+    stores them for that call (`args`, `backend`, `parent`, then `_deferred` as None), with
+    no Python frame; every other call is `slow(tracer, *inputs, **keywords)`'s, which makes
+    one with keywords or says why it may not."""
+    def invoke(tracer, *args, **kwargs):
+        if kwargs or not tracer._collecting or tracer.args or tracer.kwargs:
+            return slow(tracer, *args, **kwargs)
+        invoker = ilh_object_new(cls)
+        invoker.args = args
+        invoker.backend = backend
+        invoker.parent = tracer
+        invoker._deferred = None
+        return invoker
+
+    return invoke
 
 def runs_here(MediatorCore mediator not None):
     """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet

@@ -192,6 +192,12 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
                        gen_worker=gen_worker)
 
 
+
+def plain_job(cls, hidden):
+    """Take in C the steps of a `cls` job (intervention.body.BodyJob) that are mechanism: its
+    `generator()` and its `finish(values)` (see the compiled one). The twin calls the job's
+    methods, which take the same steps."""
+
 def configure_express(force_eager, restore, quiet_backends, close_body, stops, hidden):
     """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
     compiled model runs eagerly during a run; `quiet_backends()`, after `force_eager` gave
@@ -418,6 +424,29 @@ def tracer_maker(slow, cls, backend, unset):
 
     return trace
 
+
+
+def invoker_maker(slow, cls, backend):
+    """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
+    with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
+    inputs of its own), makes the `cls` (Invoker) itself, its fields stored as its `__init__`
+    stores them for that call (`args`, `kwargs`, `backend`, `parent`, then `_deferred` as
+    None); every other call is `slow(tracer, *inputs, **keywords)`'s, which makes one with
+    keywords or says why it may not. (Compiled: no Python frame.)"""
+    new = object.__new__
+
+    def invoke(tracer, *args, **kwargs):
+        if kwargs or not tracer._collecting or tracer.args or tracer.kwargs:
+            return slow(tracer, *args, **kwargs)
+        invoker = new(cls)
+        invoker.args = args
+        invoker.kwargs = {}
+        invoker.backend = backend
+        invoker.parent = tracer
+        invoker._deferred = None
+        return invoker
+
+    return invoke
 
 def envoy_indexer(slow):
     """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,

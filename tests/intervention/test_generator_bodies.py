@@ -648,3 +648,29 @@ def test_invokes_meeting_at_a_barrier_run_again_and_again_as_their_first_run(gpt
                 box["h"] = model.transformer.h[0].output[0][:, 0].clone()
                 barrier()
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_replaced_body_job_method_is_still_called(gpt2_model, ids, monkeypatch):
+    """The compiled extension starts and ends a plain BodyJob's generator body itself
+    (`hotpath.plain_job`); a `generator` or `finish` replaced since is called as usual, and
+    the values are the same either way."""
+    from interlace.intervention.body import BodyJob
+
+    def run():
+        with torch.no_grad(), gpt2_model.trace() as tracer:
+            with tracer.invoke(ids[:1]):
+                a = gpt2_model.transformer.h[0].output.save()
+            with tracer.invoke(ids[1:]):
+                b = gpt2_model.transformer.h[1].output.save()
+        return a, b
+
+    for _ in range(3):
+        plain = run()
+    calls = []
+    generator, finish = BodyJob.generator, BodyJob.finish
+    monkeypatch.setattr(BodyJob, "generator", lambda job: calls.append("generator") or generator(job))
+    monkeypatch.setattr(BodyJob, "finish", lambda job, values: calls.append("finish") or finish(job, values))
+    replaced = run()
+    assert calls == ["generator", "generator", "finish", "finish"]
+    for got, expected in zip(replaced, plain):
+        assert torch.equal(got, expected)

@@ -107,6 +107,51 @@ def test_invokes_after_a_trace_with_inputs_still_collect(gpt2, ids):
         assert tracer._invokes == [] and tracer._invoke_assigns == set()
 
 
+
+def test_an_invoke_is_made_as_the_python_method_makes_it_with_no_python_frame(gpt2, ids):
+    """`tracer.invoke(x)` with no keyword is made by `hotpath.invoker_maker` (natively no
+    Python frame; the twin runs its one closure); the method it stands for (`__wrapped__`,
+    what every other call runs) makes the same Invoker: same class, the same fields in the
+    same order, the same values. The maker's refusals are the method's."""
+    from interlace.errors import InterlaceError
+
+    model = interlace.Model(gpt2)
+    made = []
+    for _ in range(2):
+        with model.trace() as tracer:
+            frames = []
+
+            def profile(frame, event, arg):
+                if event == "call":
+                    frames.append(frame.f_code.co_name)
+
+            sys.setprofile(profile)
+            try:
+                fast = tracer.invoke(ids)
+            finally:
+                sys.setprofile(None)
+            slow = type(tracer).invoke.__wrapped__(tracer, ids)
+            made.append((fast, slow, frames))
+            with tracer.invoke(ids[:1]):
+                a = model.transformer.h[0].output.save()
+            with tracer.invoke(ids[1:]):
+                b = model.transformer.h[0].output.save()
+    torch.testing.assert_close(a, _hooked(gpt2, ids[:1], gpt2.transformer.h[0]))
+    torch.testing.assert_close(b, _hooked(gpt2, ids[1:], gpt2.transformer.h[0]))
+    for fast, slow, frames in made:
+        assert frames == ([] if interlace.native else ["invoke"])
+        assert type(fast) is type(slow)
+        assert list(vars(fast)) == list(vars(slow))
+        assert fast.parent is slow.parent and fast.backend is slow.backend
+        assert fast._deferred is slow._deferred is None
+        assert fast.args == slow.args and fast.args[0] is ids and fast.kwargs == slow.kwargs == {}
+    with pytest.raises(InterlaceError, match="works only as `with tracer.invoke"):
+        tracer.invoke(ids)  # (the trace has ended: it collects no more)
+    with pytest.raises(InterlaceError, match="this trace already has inputs"):
+        with model.trace(ids) as traced:
+            traced.invoke(ids)
+
+
 # -- `envoy[i]` ----------------------------------------------------------------------------
 
 class _Counted(torch.nn.Identity):

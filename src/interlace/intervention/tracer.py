@@ -330,7 +330,7 @@ class _InterleavingBackend(Backend):
         tracer._invoke_assigns = set()
         try:
             if invokes:
-                outs = [{} for _ in invokes]
+                outs = list(map(dict, itertools.repeat((), len(invokes))))  # (one {} each)
                 pending = list(map(_DEFERRED, invokes))
                 if not any(map(_SHADOWED, pending)):
                     # no invoke may take a name from an earlier one: each body runs as a plain
@@ -354,6 +354,10 @@ class _InterleavingBackend(Backend):
 
 _INTERLEAVING = _InterleavingBackend()
 _INVOKE = _InvokeBackend()
+# `tracer.invoke(*inputs)` with no keyword makes its Invoker in the compiled extension (no
+# Python frame per invoke); every other call, and help(), is InterleavingTracer's method.
+InterleavingTracer.invoke = functools.wraps(InterleavingTracer.invoke)(
+    hotpath.invoker_maker(InterleavingTracer.invoke, Invoker, _INVOKE))
 
 
 def _untraced():

@@ -244,6 +244,7 @@ def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
 
 
 _ID_DTYPES = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8))
+_LONG = torch.long
 
 
 def _rows_from_ids(ids: torch.Tensor, attention_mask):
@@ -386,9 +387,11 @@ class PromptBatcher(Batcher):
             # the common invoke: one tensor of ids, nothing else to check or pad. Its prompt is
             # the ids themselves (2-D, perhaps the user's own tensor): `batch` makes the copy
             # and the mask once for all invokes
-            ids = _check_ids(args[0], "input_ids")
-            if ids.dim() == 1:
-                ids = ids.unsqueeze(0)
+            ids = args[0]
+            if not (ids.dtype is _LONG and ids.dim() == 2 and ids.numel()):  # (else checked)
+                ids = _check_ids(ids, "input_ids")
+                if ids.dim() == 1:
+                    ids = ids.unsqueeze(0)
             return _prepared(PromptPrepared, ((), {}, len(ids), ids, None))
         batch, rest = self.prepare_inputs(*args, **kwargs)
         if not self.generate:  # generate() validates its own keywords
