@@ -14,6 +14,7 @@ import functools
 import itertools
 import operator
 import sys
+from collections import namedtuple
 
 from .._native import hotpath
 from ..errors import InterlaceError
@@ -27,6 +28,7 @@ from .grads import block_uses_backward, followed_by_with
 from .iteration import IterMixin
 
 _NOT_YET = object()
+_new_run = tuple.__new__  # an `_InvokeRun` made by one C call
 _CPU = "cpu"  # tracer.cache's default device (a string: importing torch here is not needed)
 _BUILTINS = builtins.__dict__
 
@@ -251,29 +253,31 @@ class _InvokeBackend(Backend):
 
     def __call__(self, invoker):
         parent = invoker.parent
-        assigned = invoker.block.assigned_names
+        block = invoker.block
+        assigned = block.assigned_names
         before = parent._invoke_assigns  # names the earlier invokes assign (kept as they come)
         if not before:
-            shadowed = frozenset()
-        elif invoker.block.kind == "module":  # (its reads are global lookups: any may take)
+            shadowed = _NONE
+        elif block.kind == "module":  # (its reads are global lookups: any may take)
             shadowed = frozenset(before - assigned)
         else:  # only names the body mentions can come from an earlier invoke
-            shadowed = frozenset(before.intersection(invoker.block.names) - assigned)
-        invoker._deferred = _InvokeRun(parent, invoker.defer(), shadowed)
+            shadowed = frozenset(before.intersection(block.names) - assigned)
+        invoker._deferred = _new_run(_InvokeRun, (parent, invoker.defer(), shadowed))
         parent._invokes.append(invoker)
-        before.update(assigned)
+        if assigned:
+            before.update(assigned)
 
 
-class _InvokeRun:
+_NONE = frozenset()
+
+
+class _InvokeRun(namedtuple("_InvokeRun", ("parent", "body", "shadowed"))):
     """How an invoke's deferred body runs: with variables shared between invokes when the
-    run has several bodies (`_SharedGlobals`), else as a plain body."""
+    run has several bodies (`_SharedGlobals`), else as a plain body. `shadowed`: the names an
+    earlier invoke assigns and this one only reads. A named tuple, made by one C call per
+    invoke (`_new_run`)."""
 
-    __slots__ = ("parent", "body", "shadowed")
-
-    def __init__(self, parent, body, shadowed):
-        self.parent = parent
-        self.body = body
-        self.shadowed = shadowed  # names an earlier invoke assigns and this one only reads
+    __slots__ = ()
 
     def __call__(self):
         body = self.body
