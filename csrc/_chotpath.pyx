@@ -613,21 +613,23 @@ def tracer_maker(slow, cls, backend, unset):
 
 
 
-def invoker_maker(slow, cls, backend):
+def invoker_maker(slow, cls, backend, collecting, unset):
     """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
     with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
-    inputs of its own), makes the `cls` (Invoker) itself, its fields stored as its `__init__`
-    stores them for that call (`args`, `backend`, `parent`, then `_deferred` as None), with
-    no Python frame; every other call is `slow(tracer, *inputs, **keywords)`'s, which makes
-    one with keywords or says why it may not."""
+    inputs of its own: the tracer's field named `collecting` is true), makes the `cls`
+    (Invoker) itself, its fields stored as its `__init__` stores them for that call (`args`,
+    `backend`, `parent`, then each name of `unset` as None), with no Python frame; every
+    other call is `slow(tracer, *inputs, **keywords)`'s, which makes one with keywords or
+    says why it may not."""
     def invoke(tracer, *args, **kwargs):
-        if kwargs or not tracer._collecting or tracer.args or tracer.kwargs:
+        if kwargs or not getattr(tracer, collecting) or tracer.args or tracer.kwargs:
             return slow(tracer, *args, **kwargs)
         invoker = ilh_object_new(cls)
         invoker.args = args
         invoker.backend = backend
         invoker.parent = tracer
-        invoker._deferred = None
+        for name in unset:
+            setattr(invoker, name, None)
         return invoker
 
     return invoke
@@ -1525,24 +1527,26 @@ cdef class ExpressCore:
         (the Envoy's `.output`): when the body reads in its own frame, the value being
         served now, or a read of a key still ahead (`_ExpressRead`: yields `~key`; the value
         is `serve`'s); every other case is `generator_read(key)`'s (policy)."""
-        cdef _ExpressRead read
-        gen = self.gen
-        if self.interleaver is None and gen is not None:
-            frame = gen.gi_frame
-            if <PyObject *>frame == ilh_current_frame():
-                if key == self.serving or self.c_ahead(key):
-                    read = _ExpressRead.__new__(_ExpressRead)
-                    read.run = self
-                    read.key = key
-                    read.ready = key == self.serving
-                    return read
-        return self.generator_read(key)
+        read = self.c_read(key)
+        if read is None:
+            return self.generator_read(key)
+        return read
 
     def writer(self, Py_ssize_t key, value):
         """Body side: what a generator body's `yield from` runs to set module output `key`
         to `value` (the Envoy's `.output = value`): as `reader`, an `_ExpressRead` that
         makes the write (the run's `value`, `replaced`, `last_write`) once the key is served
         and returns None; every other case is `generator_write(key, value)`'s (policy)."""
+        cdef _ExpressRead read = self.c_read(key)
+        if read is None:
+            return self.generator_write(key, value)
+        read.writes = True
+        read.written = value
+        return read
+
+    cdef _ExpressRead c_read(self, Py_ssize_t key):
+        # the compiled read of `key` when the body asks in its own frame and the run serves
+        # the key now or later; else None (the policy's)
         cdef _ExpressRead read
         gen = self.gen
         if self.interleaver is None and gen is not None:
@@ -1553,10 +1557,8 @@ cdef class ExpressCore:
                     read.run = self
                     read.key = key
                     read.ready = key == self.serving
-                    read.writes = True
-                    read.written = value
                     return read
-        return self.generator_write(key, value)
+        return None
 
     def ahead(self, Py_ssize_t key):
         """Can this run serve `key` (and are the wrappers for it set)?"""

@@ -426,24 +426,26 @@ def tracer_maker(slow, cls, backend, unset):
 
 
 
-def invoker_maker(slow, cls, backend):
+def invoker_maker(slow, cls, backend, collecting, unset):
     """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
     with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
-    inputs of its own), makes the `cls` (Invoker) itself, its fields stored as its `__init__`
-    stores them for that call (`args`, `kwargs`, `backend`, `parent`, then `_deferred` as
-    None); every other call is `slow(tracer, *inputs, **keywords)`'s, which makes one with
-    keywords or says why it may not. (Compiled: no Python frame.)"""
+    inputs of its own: the tracer's field named `collecting` is true), makes the `cls`
+    (Invoker) itself, its fields stored as its `__init__` stores them for that call (`args`,
+    `kwargs`, `backend`, `parent`, then each name of `unset` as None); every other call is
+    `slow(tracer, *inputs, **keywords)`'s, which makes one with keywords or says why it may
+    not. (Compiled: no Python frame.)"""
     new = object.__new__
 
     def invoke(tracer, *args, **kwargs):
-        if kwargs or not tracer._collecting or tracer.args or tracer.kwargs:
+        if kwargs or not getattr(tracer, collecting) or tracer.args or tracer.kwargs:
             return slow(tracer, *args, **kwargs)
         invoker = new(cls)
         invoker.args = args
         invoker.kwargs = {}
         invoker.backend = backend
         invoker.parent = tracer
-        invoker._deferred = None
+        for name in unset:
+            setattr(invoker, name, None)
         return invoker
 
     return invoke

@@ -235,30 +235,42 @@ def _read_b(model, x):
     return got
 
 
+def _write_b(model, x):
+    with torch.no_grad(), model.trace(x):
+        model.b.output = torch.zeros(1, 2)
+        got = model.b.output.save()
+    return got
+
+
 @pytest.mark.parametrize("express_on", [True, False])
-def test_a_read_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch, runs, express_on):
-    """The body waits for `b`, which the learned order has but this forward never calls: the
-    root returns, the run hands over, and the waiting read is asked of the general run (the
-    compiled read, `_ExpressRead`, forwards to it): the same error as with the express run
-    off, then the model as it was."""
+@pytest.mark.parametrize("body", [_read_b, _write_b])
+def test_a_read_or_write_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch, runs, express_on, body):
+    """The body waits to read (or to write) `b`, which the learned order has but this forward
+    never calls: the root returns, the run hands over, and the waiting read or write is asked
+    of the general run (the compiled one, `_ExpressRead`, forwards to it): the same error as
+    with the express run off, then the model as it was."""
     monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
     net = _Skips()
     model = interlace.Model(net)
     x = torch.ones(1, 2)
+
+    def expected():
+        return net.b(net.a(x)) if body is _read_b else torch.zeros(1, 2)
+
     for _ in range(3):  # learn the order with `b` called, then warm runs
-        assert torch.equal(_read_b(model, x), net.b(net.a(x)))
+        assert torch.equal(body(model, x), expected())
     net.use_b = False
     with pytest.raises(Exception) as raised:
-        _read_b(model, x)
+        body(model, x)
     handed_over = runs["handed over"]
     monkeypatch.setattr(engine_module, "_EXPRESS", False)
     with pytest.raises(Exception) as general:
-        _read_b(model, x)
+        body(model, x)
     assert type(raised.value) is type(general.value) and str(raised.value) == str(general.value)
     assert handed_over == (1 if express_on else 0)
     net.use_b = True
     monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
-    assert torch.equal(_read_b(model, x), net.b(net.a(x)))
+    assert torch.equal(body(model, x), expected())
     assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
 
 
@@ -295,39 +307,6 @@ def test_a_write_ahead_the_model_then_fails_on_is_named_at_its_line(gpt2_model, 
                 f"before the model raised this; check the value assigned there")
     assert notes == [[expected]] * 2 if sys.version_info >= (3, 11) else len(notes) == 2
     assert runs["express"] == 2
-
-
-def _write_b(model, x):
-    with torch.no_grad(), model.trace(x):
-        model.b.output = torch.zeros(1, 2)
-        got = model.b.output.save()
-    return got
-
-
-@pytest.mark.parametrize("express_on", [True, False])
-def test_a_write_waiting_when_the_run_hands_over_asks_the_general_run(monkeypatch, runs, express_on):
-    """As for a waiting read: the body waits to write `b`, which this forward never calls;
-    the waiting write (`_ExpressRead` making a write) is asked of the general run, with the
-    same error as with the express run off, and the module is as it was after."""
-    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
-    net = _Skips()
-    model = interlace.Model(net)
-    x = torch.ones(1, 2)
-    for _ in range(3):
-        assert torch.equal(_write_b(model, x), torch.zeros(1, 2))
-    net.use_b = False
-    with pytest.raises(Exception) as raised:
-        _write_b(model, x)
-    handed_over = runs["handed over"]
-    monkeypatch.setattr(engine_module, "_EXPRESS", False)
-    with pytest.raises(Exception) as general:
-        _write_b(model, x)
-    assert type(raised.value) is type(general.value) and str(raised.value) == str(general.value)
-    assert handed_over == (1 if express_on else 0)
-    net.use_b = True
-    monkeypatch.setattr(engine_module, "_EXPRESS", express_on)
-    assert torch.equal(_write_b(model, x), torch.zeros(1, 2))
-    assert "forward" not in net.a.__dict__ and "forward" not in net.b.__dict__
 
 
 def test_a_module_call_in_the_body_hands_over_mid_forward(gpt2, gpt2_model, ids, runs):

@@ -26,6 +26,22 @@ def _hooked(module, ids, sub):
     return seen[0]
 
 
+def _python_frames(fn, *args):
+    """`fn(*args)` and the names of the Python frames it ran, in call order."""
+    frames = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return result, frames
+
+
 # -- making the tracer ---------------------------------------------------------------------
 
 def test_a_trace_with_inputs_makes_only_its_own_fields(gpt2, ids):
@@ -48,17 +64,7 @@ def test_making_a_tracer_runs_no_python_frame_but_its_own(gpt2, ids):
     `Model.trace` and `InterleavingTracer.__init__` the first two)."""
     model = interlace.Model(gpt2)
     model.trace(ids).release()
-    frames = []
-
-    def profile(frame, event, arg):
-        if event == "call":
-            frames.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        tracer = model.trace(ids)
-    finally:
-        sys.setprofile(None)
+    tracer, frames = _python_frames(model.trace, ids)
     tracer.release()
     assert frames == ([] if interlace.native else ["trace"])
 
@@ -119,17 +125,7 @@ def test_an_invoke_is_made_as_the_python_method_makes_it_with_no_python_frame(gp
     made = []
     for _ in range(2):
         with model.trace() as tracer:
-            frames = []
-
-            def profile(frame, event, arg):
-                if event == "call":
-                    frames.append(frame.f_code.co_name)
-
-            sys.setprofile(profile)
-            try:
-                fast = tracer.invoke(ids)
-            finally:
-                sys.setprofile(None)
+            fast, frames = _python_frames(tracer.invoke, ids)
             slow = type(tracer).invoke.__wrapped__(tracer, ids)
             made.append((fast, slow, frames))
             with tracer.invoke(ids[:1]):

@@ -361,7 +361,7 @@ _INVOKE = _InvokeBackend()
 # `tracer.invoke(*inputs)` with no keyword makes its Invoker in the compiled extension (no
 # Python frame per invoke); every other call, and help(), is InterleavingTracer's method.
 InterleavingTracer.invoke = functools.wraps(InterleavingTracer.invoke)(
-    hotpath.invoker_maker(InterleavingTracer.invoke, Invoker, _INVOKE))
+    hotpath.invoker_maker(InterleavingTracer.invoke, Invoker, _INVOKE, "_collecting", ("_deferred",)))
 
 
 def _untraced():
