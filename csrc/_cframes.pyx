@@ -230,7 +230,6 @@ cdef class Reader:
         return serve(obj, name)
 
 
-
 cdef class Writer:
     """`writer(value, obj, name)`: `type(obj).<method>(obj, name, value)` when the type has
     `method`, else `fallback(value, obj, name)`. A generator body's attribute assignment
@@ -248,6 +247,7 @@ cdef class Writer:
         if serve is None:
             return self.fallback(value, obj, name)
         return serve(obj, name, value)
+
 
 def _forget_starts(ref, key):
     """A monitored code object went: drop its entry (unless a new one has its id)."""

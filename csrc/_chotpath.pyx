@@ -267,7 +267,6 @@ def configure_express(force_eager, restore, quiet_backends, close_body, stops, h
     _hidden = tuple(hidden)
 
 
-
 cdef object _plain_job = None        # see `plain_job`
 cdef object _plain_generator = None
 cdef object _plain_finish = None
@@ -286,6 +285,7 @@ def plain_job(cls, hidden):
     _plain_generator = cls.generator
     _plain_finish = cls.finish
     _plain_hidden = tuple(hidden)
+
 
 cdef object _eager_run():
     # `force_eager()`, unless the dict it last had nothing to do for has kept its size
@@ -531,7 +531,6 @@ def envoy_reader(output, policy):
     return __interlace_read__
 
 
-
 def envoy_writer(output, policy):
     """`Envoy.__interlace_write__` (intervention/envoy.py makes it once): a generator body's
     `envoy.output = value` while an express run of its model is on is that run's
@@ -548,6 +547,7 @@ def envoy_writer(output, policy):
         return policy(envoy, name, value)
 
     return __interlace_write__
+
 
 def envoy_indexer(slow):
     """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
@@ -612,7 +612,6 @@ def tracer_maker(slow, cls, backend, unset):
     return trace
 
 
-
 def invoker_maker(slow, cls, backend, collecting, unset):
     """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
     with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
@@ -633,6 +632,7 @@ def invoker_maker(slow, cls, backend, collecting, unset):
         return invoker
 
     return invoke
+
 
 def runs_here(MediatorCore mediator not None):
     """Is the calling code `mediator`'s body (its own lines or what they call)? A greenlet
@@ -1640,8 +1640,8 @@ cdef class ExpressCore:
         route) beside it, its final locals into `out`; the caller took `engine`'s lock for
         this thread, which this releases. The common run, start to end, with no Python
         frame; the policy's methods take every other case (`_general_from_start`, `_raise`,
-        `_stopped`, `_model_failed` (after a write or a hand-over), `_after_return`, `_close_general`: after a hand-over,
-        the general run's)."""
+        `_stopped`, `_model_failed` (after a write or a hand-over), `_after_return`,
+        `_close_general`: after a hand-over, the general run's)."""
         self.engine = engine
         self.body = body
         self.out = out

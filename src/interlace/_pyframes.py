@@ -416,7 +416,6 @@ class Reader:
         return serve(obj, name)
 
 
-
 class Writer:
     """`writer(value, obj, name)`: `type(obj).<method>(obj, name, value)` when the type has
     `method`, else `fallback(value, obj, name)`. A generator body's attribute assignment
@@ -436,6 +435,7 @@ class Writer:
         if serve is None:
             return self.fallback(value, obj, name)
         return serve(obj, name, value)
+
 
 # -- a trace's per-trace steps (C in the compiled module: no Python frame there) -------------
 class TraceState:

@@ -192,11 +192,11 @@ def configure(getcurrent, is_grad_enabled, set_grad_enabled, new_worker, idle_wo
                        gen_worker=gen_worker)
 
 
-
 def plain_job(cls, hidden):
     """Take in C the steps of a `cls` job (intervention.body.BodyJob) that are mechanism: its
     `generator()` and its `finish(values)` (see the compiled one). The twin calls the job's
     methods, which take the same steps."""
+
 
 def configure_express(force_eager, restore, quiet_backends, close_body, stops, hidden):
     """Set what `ExpressCore.run` calls: `force_eager() -> token` and `restore(token)` (a
@@ -425,7 +425,6 @@ def tracer_maker(slow, cls, backend, unset):
     return trace
 
 
-
 def invoker_maker(slow, cls, backend, collecting, unset):
     """`InterleavingTracer.invoke` (intervention/tracer.py makes it once): `tracer.invoke(*inputs)`
     with no keyword, in the body of the tracer's own `model.trace()` (collecting invokes, no
@@ -449,6 +448,7 @@ def invoker_maker(slow, cls, backend, collecting, unset):
         return invoker
 
     return invoke
+
 
 def envoy_indexer(slow):
     """`Envoy.__getitem__` (intervention/envoy.py makes it once): `envoy[i]`, for an int `i`,
@@ -1193,8 +1193,8 @@ class ExpressCore:
         route) beside it, its final locals into `out`; the caller took `engine`'s lock for
         this thread, which this releases. The common run, start to end; the policy's
         methods take every other case (`_general_from_start`, `_raise`, `_stopped`,
-        `_model_failed` (after a write or a hand-over), `_after_return`, `_close_general`: after a hand-over, the general
-        run's). (Compiled: no Python frame.)"""
+        `_model_failed` (after a write or a hand-over), `_after_return`, `_close_general`:
+        after a hand-over, the general run's). (Compiled: no Python frame.)"""
         self.engine = engine
         self.body = body
         self.out = out

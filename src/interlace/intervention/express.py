@@ -43,7 +43,7 @@ from .._native import hotpath
 from ..tracing.block import GENERATOR_PARAMS, LOCALS_PARAM
 from . import compiled
 from .hooks import GLOBAL_HOOKS, _OWN_HOOKS, _tappable
-from .interleaver import Interleaver, _Abort, _Stop, note_last_write
+from .interleaver import _READ, Interleaver, _Abort, _Stop, note_last_write
 from .body import BodyJob
 from .mediator import (
     DONE,
@@ -60,7 +60,6 @@ from .mediator import (
 ENABLED = os.environ.get("INTERLACE_EXPRESS", "") != "0"
 """False when INTERLACE_EXPRESS=0: every trace takes the general run."""
 
-_READ = object()  # `generator_read`'s "no value to write"
 _HANDOVER = object()  # sent into a body waiting in `generator_read`: ask the general run
 _NONE = -1  # no key
 
@@ -189,15 +188,11 @@ class Express(hotpath.ExpressCore):
                         return self.value
                     return self._written(key, value)
         interleaver = self.interleaver or self.engine.running  # (hands over, or says why not)
-        if value is _READ:
-            return (yield from interleaver.generator_read(key))
         return (yield from interleaver.generator_read(key, value))
 
     def _read_over(self, key, value=_READ):
         """The general run's read of `key` (with `value`: its write), for a read or write
         that waited at the hand-over."""
-        if value is _READ:
-            return self.interleaver.generator_read(key)
         return self.interleaver.generator_read(key, value)
 
     def generator_write(self, key, value):

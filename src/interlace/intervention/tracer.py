@@ -257,7 +257,7 @@ class _InvokeBackend(Backend):
         assigned = block.assigned_names
         before = parent._invoke_assigns  # names the earlier invokes assign (kept as they come)
         if not before:
-            shadowed = _NONE
+            shadowed = _NOTHING_SHADOWED
         elif block.kind == "module":  # (its reads are global lookups: any may take)
             shadowed = frozenset(before - assigned)
         else:  # only names the body mentions can come from an earlier invoke
@@ -268,7 +268,7 @@ class _InvokeBackend(Backend):
             before.update(assigned)
 
 
-_NONE = frozenset()
+_NOTHING_SHADOWED = frozenset()
 
 
 class _InvokeRun(namedtuple("_InvokeRun", ("parent", "body", "shadowed"))):
