@@ -3,6 +3,8 @@
 The reference is the plain transformers model run on each prompt alone, unpadded.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -205,3 +207,50 @@ def test_a_traced_edit_of_the_input_ids_leaves_the_users_tensor_alone(gpt2_lm):
         seen = lm.transformer.wte.input.clone().save()
         lm.transformer.wte.input[:] = 0
     assert torch.equal(seen, before) and torch.equal(ids, before)
+
+
+class _OnDevice(torch.nn.Module):
+    """An input embedding that says it lives on `device` (no such device is needed here)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.weight = types.SimpleNamespace(device=torch.device(device))
+
+
+def test_the_input_device_follows_the_models_input_embeddings_as_they_are_replaced():
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+    module = GPT2LMHeadModel(config)
+    batcher = inputs.PromptBatcher(module, None)
+
+    def reference():  # what transformers says, asked now
+        return module.get_input_embeddings().weight.device
+
+    assert batcher.input_device == reference() == torch.device("cpu")
+    module.set_input_embeddings(_OnDevice("cuda:3"))
+    assert batcher.input_device == reference() == torch.device("cuda:3")
+    module.set_input_embeddings(_OnDevice("cuda:5"))
+    assert batcher.input_device == reference() == torch.device("cuda:5")
+    module.transformer = GPT2Model(config)  # a replaced submodule holding the embedding
+    module.transformer.wte = _OnDevice("cuda:7")
+    assert batcher.input_device == reference() == torch.device("cuda:7")
+    del module.transformer.wte  # the path is gone: asked again (no embedding: the parameters')
+    assert batcher.input_device == torch.device("cpu")
+    module.transformer.wte = _OnDevice("cuda:2")
+    assert batcher.input_device == reference() == torch.device("cuda:2")
+
+
+def test_an_input_embedding_outside_the_module_tree_is_asked_for_every_time():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class Outside(GPT2LMHeadModel):
+        def get_input_embeddings(self):
+            return self.__dict__["outside"]
+
+    module = Outside(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    module.__dict__["outside"] = _OnDevice("cuda:1")
+    batcher = inputs.PromptBatcher(module, None)
+    assert batcher.input_device == torch.device("cuda:1")
+    module.__dict__["outside"] = _OnDevice("cuda:4")
+    assert batcher.input_device == torch.device("cuda:4")

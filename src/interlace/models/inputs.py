@@ -55,6 +55,7 @@ ACCEPTED = (
 )
 
 # Per-token keys a tokenizer may return, and the value that pads each of them.
+_MODULES = operator.attrgetter("_modules")
 _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "labels": -100}
 
 
@@ -374,6 +375,7 @@ class PromptBatcher(Batcher):
         self.generate = generate
         self._signature = None  # (forward function, named parameters, accepted keywords)
         self._generating = None
+        self._embedding_path = None  # names from the module to its input embeddings, once found
 
     def for_run(self, run):
         if self.generate or not getattr(run, "generates", False):
@@ -486,7 +488,7 @@ class PromptBatcher(Batcher):
         """Where input ids must live: the embedding's device (accelerate may spread the rest)."""
         module = self.module
         try:
-            embed = module.get_input_embeddings()
+            embed = self._input_embeddings()
             weight = getattr(embed, "weight", None)
             if weight is not None and weight.device.type != "meta":
                 return weight.device
@@ -496,6 +498,28 @@ class PromptBatcher(Batcher):
             if p.device.type != "meta":
                 return p.device
         return torch.device("cpu")
+
+    def _input_embeddings(self):
+        """`module.get_input_embeddings()`, without its cost on every run: transformers' generic
+        version walks its fallbacks (about 5 us, paid by every trace of a language model). The
+        embedding's path in the module tree is found once and walked after, so that a
+        `set_input_embeddings`, a resize or a replaced submodule is still seen."""
+        path = self._embedding_path
+        if path:
+            embed = self.module
+            modules = _MODULES
+            for name in path:
+                embed = modules(embed).get(name)
+                if embed is None:  # (the tree changed there: found again)
+                    path = None
+                    break
+            else:
+                return embed
+        embed = self.module.get_input_embeddings()
+        if path is None:  # (an embedding outside the tree, or the root: () - asked every time)
+            self._embedding_path = next((tuple(name.split(".")) for name, sub in
+                                         self.module.named_modules() if sub is embed and name), ())
+        return embed
 
 
 # Keywords transformers' causal LMs take through **kwargs (TransformersKwargs) or through a
