@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import encode, layers
+from interlace import save
 from interlace.intervention import express, routes
 
 pytestmark = pytest.mark.skipif(
@@ -35,3 +36,51 @@ def test_a_prompt_trace_takes_the_express_run_with_the_hooks_values(lm, hf_model
         h1 = h1[0] if isinstance(h1, tuple) else h1
         assert torch.equal(h1, seen[0]) and torch.allclose(out, logits, atol=1e-6)
     assert len(runs) >= 2  # (the site's first run, under either model, audits it)
+
+
+def test_one_invoke_is_a_trace_of_its_prompt_and_takes_the_express_run(lm, hf_model, hf_tokenizer, arch,
+                                                                       monkeypatch):
+    runs = []
+    run = express.Express.run
+    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    text = "the capital of france is paris and"
+    seen = []
+    zero = layers(hf_model, arch)[0].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+    read = layers(hf_model, arch)[1].register_forward_hook(
+        lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            logits = hf_model(encode(hf_tokenizer, text)).logits
+    finally:
+        zero.remove()
+        read.remove()
+    for _ in range(4):  # (the model's first trace learns its order, the site's first audits it)
+        with torch.no_grad(), lm.trace() as tracer:
+            before = save(["set before the invoke"])
+            with tracer.invoke(text):
+                mlp = layers(lm, arch)[0].mlp
+                mlp.output = torch.zeros_like(mlp.output)
+                h1 = layers(lm, arch)[1].output.save()
+                out = tracer.result.logits.save()
+            after = save(["set after it"])
+        h1 = h1[0] if isinstance(h1, tuple) else h1
+        assert torch.equal(h1, seen[0]) and torch.allclose(out, logits, atol=1e-6)
+        assert torch.allclose(tracer.result.logits, logits, atol=1e-6)
+        assert (before, after) == (["set before the invoke"], ["set after it"])
+    assert len(runs) >= 2
+
+
+def test_two_invokes_are_not_an_express_run(lm, hf_tokenizer, arch, monkeypatch):
+    runs = []
+    run = express.Express.run
+    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    for _ in range(3):
+        with torch.no_grad(), lm.trace() as tracer:
+            with tracer.invoke("the capital of france"):
+                a = layers(lm, arch)[1].output.save()
+            with tracer.invoke("paris is"):
+                b = layers(lm, arch)[1].output.save()
+        a = a[0] if isinstance(a, tuple) else a
+        b = b[0] if isinstance(b, tuple) else b
+        assert a.shape[0] == 1 and b.shape[0] == 1
+    assert runs == []

@@ -302,7 +302,7 @@ class _InterleavingBackend(Backend):
                 engine = tracer.engine
                 body = tracer.defer()
                 result = GENERAL
-                if tracer._run is None and tracer._batcher is None and "_edits" not in model.__dict__:
+                if _may_run_express(tracer):
                     result = engine.express_trace(body, values, args, kwargs)  # the common trace
                 if result is GENERAL:
                     result = engine.interleave(
@@ -335,25 +335,46 @@ class _InterleavingBackend(Backend):
         try:
             if invokes:
                 outs = list(map(dict, itertools.repeat((), len(invokes))))  # (one {} each)
-                pending = list(map(_DEFERRED, invokes))
-                if not any(map(_SHADOWED, pending)):
-                    # no invoke may take a name from an earlier one: each body runs as a plain
-                    # body (the generator route, when its site takes it), not by its `_InvokeRun`
-                    jobs = map(BodyJob, map(_BODY, pending), outs, itertools.repeat(None),
-                               map(_SHADOWED, pending))
-                else:
-                    jobs = map(BodyJob, map(_BODY, pending), outs, pending)
-                runs = list(zip(jobs, map(_ARGS, invokes), map(_KWARGS, invokes)))
-                tracer._result = engine.interleave(
-                    runs, run=tracer._run, batcher=tracer._batcher,
-                    backward=block_uses_backward(tracer.block), edits=replays(tracer.model),
-                )
+                result = GENERAL
+                if (len(invokes) == 1 and _may_run_express(tracer)
+                        and not block_uses_backward(tracer.block)):
+                    # one invoke is a trace of its inputs: an express run when it can be one
+                    invoker = invokes[0]
+                    result = engine.express_trace(invoker._deferred.body, outs[0],
+                                                  invoker.args, invoker.kwargs)
+                if result is GENERAL:
+                    result = self._interleave(tracer, invokes, outs)
+                tracer._result = result
                 for out in outs:
                     values.update(out)
         finally:
             for invoker in invokes:
                 invoker._deferred = None
         tracer.push_result(values)
+
+    def _interleave(self, tracer, invokes, outs):
+        """The general run of the collected `invokes`, batched; each body's locals into its
+        dict of `outs`. Returns the model's output."""
+        pending = list(map(_DEFERRED, invokes))
+        if not any(map(_SHADOWED, pending)):
+            # no invoke may take a name from an earlier one: each body runs as a plain
+            # body (the generator route, when its site takes it), not by its `_InvokeRun`
+            jobs = map(BodyJob, map(_BODY, pending), outs, itertools.repeat(None),
+                       map(_SHADOWED, pending))
+        else:
+            jobs = map(BodyJob, map(_BODY, pending), outs, pending)
+        runs = list(zip(jobs, map(_ARGS, invokes), map(_KWARGS, invokes)))
+        return tracer.engine.interleave(
+            runs, run=tracer._run, batcher=tracer._batcher,
+            backward=block_uses_backward(tracer.block), edits=replays(tracer.model),
+        )
+
+
+def _may_run_express(tracer):
+    """May `tracer`'s one input (or one invoke's) be an express run (`Engine.express_trace`
+    decides the rest)? Not with a run strategy or a batcher of its own, nor with recorded
+    edits to replay."""
+    return tracer._run is None and tracer._batcher is None and "_edits" not in tracer.model.__dict__
 
 
 _INTERLEAVING = _InterleavingBackend()
