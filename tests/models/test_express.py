@@ -84,3 +84,72 @@ def test_two_invokes_are_not_an_express_run(lm, hf_tokenizer, arch, monkeypatch)
         b = b[0] if isinstance(b, tuple) else b
         assert a.shape[0] == 1 and b.shape[0] == 1
     assert runs == []
+
+
+def test_one_invoke_hands_over_as_a_trace_does(lm, hf_model, hf_tokenizer, arch, monkeypatch):
+    """The invoke's body reads a module's input (not served by the express run: it hands
+    over part-way) and edits an output; plain hooks give the reference."""
+    runs = []
+    run = express.Express.run
+    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    ids = encode(hf_tokenizer, "the capital of france is")
+    mask = torch.ones_like(ids)
+    inputs, seen = [], []
+    block = layers(hf_model, arch)[1]
+    hooks = [block.register_forward_pre_hook(lambda m, a, kw: inputs.append(
+                 (a[0] if a else kw["hidden_states"]).clone()), with_kwargs=True),
+             layers(hf_model, arch)[0].mlp.register_forward_hook(lambda m, a, o: o * 2),
+             hf_model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o))]
+    try:
+        with torch.no_grad():
+            hf_model(ids, attention_mask=mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for _ in range(4):
+        with torch.no_grad(), lm.trace() as tracer:
+            with tracer.invoke(ids, attention_mask=mask):
+                mlp = layers(lm, arch)[0].mlp
+                mlp.output = mlp.output * 2
+                entering = layers(lm, arch)[1].inputs.save()
+                logits = lm.lm_head.output.save()
+        args, kwargs = entering
+        entering = args[0] if args else kwargs["hidden_states"]
+        assert torch.allclose(entering, inputs[0], atol=1e-6)
+        assert torch.allclose(logits, seen[0], atol=1e-6)
+    assert len(runs) >= 2
+
+
+def test_an_error_in_one_invoke_is_raised_at_its_line(lm, arch):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for _ in range(4):
+        with pytest.raises(ZeroDivisionError) as caught:
+            with torch.no_grad(), lm.trace() as tracer:
+                with tracer.invoke(ids):
+                    h = layers(lm, arch)[0].output
+                    1 / 0  # noqa: B018 - the body's own error
+        frame = caught.traceback[-1]
+        assert str(frame.path) == __file__ and "1 / 0" in str(frame.statement)
+
+
+def test_one_invoke_of_a_plain_module_equals_a_hook():
+    from interlace import Model
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    seen = []
+    hook = module[1].register_forward_hook(lambda m, a, o: seen.append(o.clone()) or o + 1)
+    try:
+        with torch.no_grad():
+            expected = module(x)
+    finally:
+        hook.remove()
+    model = Model(module)
+    for _ in range(4):
+        with torch.no_grad(), model.trace() as tracer:
+            with tracer.invoke(x):
+                relu = model[1].output.save()
+                model[1].output = model[1].output + 1
+                out = model.output.save()
+        assert torch.equal(relu, seen[0]) and torch.allclose(out, expected)

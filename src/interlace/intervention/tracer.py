@@ -302,7 +302,8 @@ class _InterleavingBackend(Backend):
                 engine = tracer.engine
                 body = tracer.defer()
                 result = GENERAL
-                if _may_run_express(tracer):
+                # (`_may_run_express(tracer)`, inline: the common trace makes no call for it)
+                if tracer._run is None and tracer._batcher is None and "_edits" not in model.__dict__:
                     result = engine.express_trace(body, values, args, kwargs)  # the common trace
                 if result is GENERAL:
                     result = engine.interleave(
