@@ -254,3 +254,20 @@ def test_an_input_embedding_outside_the_module_tree_is_asked_for_every_time():
     assert batcher.input_device == torch.device("cuda:1")
     module.__dict__["outside"] = _OnDevice("cuda:4")
     assert batcher.input_device == torch.device("cuda:4")
+
+
+def test_stacked_id_tensors_get_the_inputs_the_same_prompts_as_lists_get(hf_tokenizer):
+    """Invokes of id tensors of one width take the stacking shortcut (a mask of ones, its
+    positions counted in two ops); the same prompts as lists take the general padding path.
+    Both must hand the model the same keywords, positions included."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    module = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    batcher = inputs.PromptBatcher(module, hf_tokenizer)
+    rows = [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]]
+    _, stacked = batcher.batch([batcher.prepare((torch.tensor([row]),), {}) for row in rows])
+    _, listed = batcher.batch([batcher.prepare((row,), {}) for row in rows])
+    assert stacked.keys() == listed.keys() == {"input_ids", "attention_mask", "position_ids"}
+    for key in listed:
+        assert torch.equal(stacked[key], listed[key]) and stacked[key].dtype == listed[key].dtype, key
+    assert stacked["position_ids"].tolist() == [[0, 1, 2, 3]] * 3

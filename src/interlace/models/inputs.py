@@ -413,10 +413,14 @@ class PromptBatcher(Batcher):
             # even of one: an in-place edit of the model's input never reaches the user's
             # tensor), with one mask of ones
             ids = torch.cat(prompts)
-            combined = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        else:
-            prompts = [_ids_batch(p) if isinstance(p, torch.Tensor) else p for p in prompts]
-            combined, _ = combine(prompts, self.tokenizer, list(map(_TRIMMED, prepared)))
+            out = self.model_kwargs({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                    rest, positions=False)
+            if not self.generate and "position_ids" in self.forward_signature()[0]:
+                # `position_ids(mask)` of a mask of ones, in two ops instead of four
+                out["position_ids"] = out["attention_mask"].cumsum(-1).sub_(1)
+            return (), out
+        prompts = [_ids_batch(p) if isinstance(p, torch.Tensor) else p for p in prompts]
+        combined, _ = combine(prompts, self.tokenizer, list(map(_TRIMMED, prepared)))
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
