@@ -15,45 +15,49 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_a_prompt_trace_takes_the_express_run_with_the_hooks_values(lm, hf_model, hf_tokenizer, arch,
-                                                                    monkeypatch):
+@pytest.fixture
+def express_runs(monkeypatch):
+    """One entry per express run started from now on in the test."""
     runs = []
     run = express.Express.run
     monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    return runs
+
+
+def hooked_run(hf_model, hooks, *args, **kwargs):
+    """`hf_model(*args, **kwargs)` without grad, the hook handles `hooks` removed after it."""
+    try:
+        with torch.no_grad():
+            return hf_model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_a_prompt_trace_takes_the_express_run_with_the_hooks_values(lm, hf_model, hf_tokenizer, arch,
+                                                                    express_runs):
     text = "the capital of france is paris and"
     seen = []
     handle = layers(hf_model, arch)[1].register_forward_hook(
         lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
-    try:
-        with torch.no_grad():
-            logits = hf_model(encode(hf_tokenizer, text)).logits
-    finally:
-        handle.remove()
+    logits = hooked_run(hf_model, [handle], encode(hf_tokenizer, text)).logits
     for _ in range(3):
         with torch.no_grad(), lm.trace(text) as tracer:
             h1 = layers(lm, arch)[1].output.save()
             out = tracer.result.logits.save()
         h1 = h1[0] if isinstance(h1, tuple) else h1
         assert torch.equal(h1, seen[0]) and torch.allclose(out, logits, atol=1e-6)
-    assert len(runs) >= 2  # (the site's first run, under either model, audits it)
+    assert len(express_runs) >= 2  # (the site's first run, under either model, audits it)
 
 
 def test_one_invoke_is_a_trace_of_its_prompt_and_takes_the_express_run(lm, hf_model, hf_tokenizer, arch,
-                                                                       monkeypatch):
-    runs = []
-    run = express.Express.run
-    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+                                                                       express_runs):
     text = "the capital of france is paris and"
     seen = []
     zero = layers(hf_model, arch)[0].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
     read = layers(hf_model, arch)[1].register_forward_hook(
         lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
-    try:
-        with torch.no_grad():
-            logits = hf_model(encode(hf_tokenizer, text)).logits
-    finally:
-        zero.remove()
-        read.remove()
+    logits = hooked_run(hf_model, [zero, read], encode(hf_tokenizer, text)).logits
     for _ in range(4):  # (the model's first trace learns its order, the site's first audits it)
         with torch.no_grad(), lm.trace() as tracer:
             before = save(["set before the invoke"])
@@ -67,13 +71,10 @@ def test_one_invoke_is_a_trace_of_its_prompt_and_takes_the_express_run(lm, hf_mo
         assert torch.equal(h1, seen[0]) and torch.allclose(out, logits, atol=1e-6)
         assert torch.allclose(tracer.result.logits, logits, atol=1e-6)
         assert (before, after) == (["set before the invoke"], ["set after it"])
-    assert len(runs) >= 2
+    assert len(express_runs) >= 2
 
 
-def test_two_invokes_are_not_an_express_run(lm, hf_tokenizer, arch, monkeypatch):
-    runs = []
-    run = express.Express.run
-    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
+def test_two_invokes_are_not_an_express_run(lm, hf_tokenizer, arch, express_runs):
     for _ in range(3):
         with torch.no_grad(), lm.trace() as tracer:
             with tracer.invoke("the capital of france"):
@@ -83,15 +84,12 @@ def test_two_invokes_are_not_an_express_run(lm, hf_tokenizer, arch, monkeypatch)
         a = a[0] if isinstance(a, tuple) else a
         b = b[0] if isinstance(b, tuple) else b
         assert a.shape[0] == 1 and b.shape[0] == 1
-    assert runs == []
+    assert express_runs == []
 
 
-def test_one_invoke_hands_over_as_a_trace_does(lm, hf_model, hf_tokenizer, arch, monkeypatch):
+def test_one_invoke_hands_over_as_a_trace_does(lm, hf_model, hf_tokenizer, arch, express_runs):
     """The invoke's body reads a module's input (not served by the express run: it hands
     over part-way) and edits an output; plain hooks give the reference."""
-    runs = []
-    run = express.Express.run
-    monkeypatch.setattr(express.Express, "run", lambda self, *a: runs.append(1) or run(self, *a))
     ids = encode(hf_tokenizer, "the capital of france is")
     mask = torch.ones_like(ids)
     inputs, seen = [], []
@@ -100,12 +98,7 @@ def test_one_invoke_hands_over_as_a_trace_does(lm, hf_model, hf_tokenizer, arch,
                  (a[0] if a else kw["hidden_states"]).clone()), with_kwargs=True),
              layers(hf_model, arch)[0].mlp.register_forward_hook(lambda m, a, o: o * 2),
              hf_model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o))]
-    try:
-        with torch.no_grad():
-            hf_model(ids, attention_mask=mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    hooked_run(hf_model, hooks, ids, attention_mask=mask)
     for _ in range(4):
         with torch.no_grad(), lm.trace() as tracer:
             with tracer.invoke(ids, attention_mask=mask):
@@ -117,7 +110,7 @@ def test_one_invoke_hands_over_as_a_trace_does(lm, hf_model, hf_tokenizer, arch,
         entering = args[0] if args else kwargs["hidden_states"]
         assert torch.allclose(entering, inputs[0], atol=1e-6)
         assert torch.allclose(logits, seen[0], atol=1e-6)
-    assert len(runs) >= 2
+    assert len(express_runs) >= 2
 
 
 def test_an_error_in_one_invoke_is_raised_at_its_line(lm, arch):
