@@ -48,6 +48,7 @@ _KEYS = operator.methodcaller("keys")
 _KWARGS = operator.attrgetter("kwargs")
 _PROMPT = operator.attrgetter("prompt")
 _TRIMMED = operator.attrgetter("trimmed")
+_MODULES = operator.attrgetter("_modules")  # a torch module's children by name
 
 ACCEPTED = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
@@ -55,7 +56,6 @@ ACCEPTED = (
 )
 
 # Per-token keys a tokenizer may return, and the value that pads each of them.
-_MODULES = operator.attrgetter("_modules")
 _PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "labels": -100}
 
 
