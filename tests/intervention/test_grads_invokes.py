@@ -64,6 +64,24 @@ def test_backward_in_one_invoke_of_two(gpt2, gpt2_model):
     gpt2.zero_grad(set_to_none=True)
 
 
+def test_backward_in_a_trace_of_one_invoke(gpt2, gpt2_model):
+    """One invoke is run as a trace of its input; a body with `with loss.backward():`
+    still gets the gradients, warm site and all."""
+    _, b = _prompts()
+    want = _alone(gpt2, b)
+    for _ in range(3):
+        with gpt2_model.trace() as tracer:
+            with tracer.invoke(b):
+                h0 = gpt2_model.transformer.h[0].output
+                loss = gpt2_model.lm_head.output[:, -1].logsumexp(-1).sum()
+                with loss.backward():
+                    g0 = h0.grad.save()
+        assert torch.allclose(g0, want[0], atol=1e-6) and g0.abs().sum() > 0
+        assert torch.Tensor.backward is grads._original_backward
+        assert_clean(gpt2)
+    gpt2.zero_grad(set_to_none=True)
+
+
 def test_backward_in_the_first_invoke(gpt2, gpt2_model):
     a, b = _prompts()
     with gpt2_model.trace() as tracer:

@@ -337,9 +337,9 @@ class _InterleavingBackend(Backend):
             if invokes:
                 outs = list(map(dict, itertools.repeat((), len(invokes))))  # (one {} each)
                 result = GENERAL
-                if (len(invokes) == 1 and _may_run_express(tracer)
-                        and not block_uses_backward(tracer.block)):
+                if len(invokes) == 1 and _may_run_express(tracer):
                     # one invoke is a trace of its inputs: an express run when it can be one
+                    # (`express_trace` refuses a body with `with loss.backward():`, as for any)
                     invoker = invokes[0]
                     result = engine.express_trace(invoker._deferred.body, outs[0],
                                                   invoker.args, invoker.kwargs)
