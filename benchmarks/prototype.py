@@ -183,6 +183,13 @@ class GenTap:
         return result
 
 
+def _row(output, row):
+    """Row `row` of a module's output (a view of each tensor in it): an invoke's own value."""
+    if isinstance(output, tuple):
+        return tuple(_row(part, row) for part in output)
+    return output[row:row + 1] if isinstance(output, torch.Tensor) else output
+
+
 class GeneratorPrototype(Contender):
     name, label = "genproto", "generator body (prototype)"
 
@@ -212,6 +219,39 @@ class GeneratorPrototype(Contender):
         def body():
             return (yield module)
         return lambda: tap.run([module], body, lambda: module(x))
+
+    def invokes(self, s, n):
+        """n invokes as an express run of several generator bodies would run them, with no
+        engine: the rows stacked into one batch per call, with the mask of ones and the
+        positions a language model's batch carries (as interlace's batcher makes them); one
+        generator body per invoke, each sent its own row of the block's output (a view per
+        tensor) and saving it. The floor of that route, against plain hooks' one batch."""
+        module, layer, rows = s.module, s.layers()[0], s.rows(n)
+
+        def body(saved):
+            saved.append((yield layer))
+
+        def run():
+            saved = []
+            bodies = [body(saved) for _ in rows]
+            for gen in bodies:
+                next(gen)
+
+            def serve(m, args, output):
+                for row, gen in enumerate(bodies):
+                    try:
+                        gen.send(_row(output, row))
+                    except StopIteration:
+                        pass
+            ids = torch.cat(rows)
+            mask = torch.ones_like(ids)
+            handle = layer.register_forward_hook(serve)
+            try:
+                module(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1).sub_(1))
+            finally:
+                handle.remove()
+            return [_first(h) for h in saved]
+        return run
 
     def sweep_item(self, s, repeat, batch):
         """A sweep as the generator route would run it with no engine: per item, the sweep's
