@@ -441,3 +441,26 @@ def test_interlace_express_0_turns_it_off():
     env = dict(os.environ, INTERLACE_EXPRESS="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_tracer_class_kept_off_the_route_stays_off_after_an_allowed_one_ran(gpt2, gpt2_model, ids, runs):
+    # The engine remembers the tracer class it last allowed an express run (a warm trace
+    # skips the class check): a class kept off the generator route, traced at the same line
+    # between that class's traces, must still never take the express run.
+    from interlace.intervention.tracer import InterleavingTracer
+
+    class OwnBuild(InterleavingTracer):
+        def build(self, node):
+            return super().build(node)
+
+    seen, _ = _hooked(gpt2, ids, ["transformer.h.0"])
+
+    def trace(cls):
+        with torch.no_grad(), gpt2_model.trace(ids, tracer_cls=cls):
+            h0 = gpt2_model.transformer.h[0].output.save()
+        assert torch.equal(_first(h0), _first(seen["transformer.h.0"]))
+
+    for cls, express_runs in ((None, 2), (OwnBuild, 2), (None, 5), (OwnBuild, 5)):
+        for _ in range(3):
+            trace(cls)
+        assert runs == {"express": express_runs, "handed over": 0}, cls
