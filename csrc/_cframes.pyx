@@ -40,6 +40,7 @@ cdef extern from "_cframes_impl.h":
     object ilc_deferred_methods(object tracer_cls, object deferred_cls, object defer, object push,
                                 object run, object locals_param)
     object ilc_object_save(object descriptor, object save)
+    object ilc_function_save(object save)
     object ilc_generator_method(object deferred_cls, object generator)
 
 COMPILED = True
@@ -124,6 +125,13 @@ def object_save(descriptor, save):
     C (one call, no Python frame); outside a trace it calls `save(value)`, and classes and
     modules get `descriptor`'s own __get__. The twin returns `descriptor` unchanged."""
     return ilc_object_save(descriptor, save)
+
+
+def function_save(save):
+    """`interlace.save` as a builtin function: `save(value)` marks `value` in the current
+    trace's state with no Python frame; outside a trace, and any call with keywords, it is
+    the Python function `save`'s. The twin returns `save` unchanged."""
+    return ilc_function_save(save)
 
 
 def register_site(code, int lasti, kind, block, plan, arm_args=None):

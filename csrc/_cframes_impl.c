@@ -2067,15 +2067,15 @@ typedef struct {
     PyObject *policy;         /* strong: the Python descriptor, for classes, modules, None... */
 } ObjectSaveObject;
 
-/* value.save(): mark `value` in the current trace's save set; outside a trace, the Python
-   `.save()` (a `save` we displaced, or the error). value: borrowed. A NEW reference. */
-static PyObject *os_call(PyObject *value, PyObject *unused) {
+/* Mark `value` in the current trace's save set and return it (a NEW reference); outside a
+   trace, `fallback(value)` (the Python `save`: a `save` we displaced, or the error). */
+static PyObject *mark_saved(PyObject *value, PyObject *fallback) {
     PyObject *state;
-    if (sv_current == NULL) return PyObject_CallOneArg(os_save, value);   /* (before save_hooks) */
+    if (sv_current == NULL) return PyObject_CallOneArg(fallback, value);   /* (before save_hooks) */
     if (PyContextVar_Get(sv_current, NULL, &state) < 0) return NULL;
     if (state == NULL || state == Py_None) {
         Py_XDECREF(state);
-        return PyObject_CallOneArg(os_save, value);
+        return PyObject_CallOneArg(fallback, value);
     }
     PyObject *saved = PyObject_TypeCheck(state, TraceStateType) ? Py_NewRef(((TraceStateObject *)state)->saved)
                       : PyObject_GetAttr(state, s_saved);
@@ -2086,6 +2086,11 @@ static PyObject *os_call(PyObject *value, PyObject *unused) {
     Py_XDECREF(key);
     Py_DECREF(saved);
     return r < 0 ? NULL : Py_NewRef(value);
+}
+
+/* value.save(): `mark_saved`, outside a trace the Python `.save()`. value: borrowed. */
+static PyObject *os_call(PyObject *value, PyObject *unused) {
+    return mark_saved(value, os_save);
 }
 
 static PyMethodDef os_def = {"save", (PyCFunction)os_call, METH_NOARGS,
@@ -2143,4 +2148,47 @@ PyObject *ilc_object_save(PyObject *descriptor, PyObject *save) {
     o->policy = Py_NewRef(descriptor);
     Py_INCREF(save); Py_XSETREF(os_save, save);
     return (PyObject *)o;
+}
+
+/* -- `interlace.save(value)`: the same marking, as a builtin function -- */
+
+static PyObject *fs_save = NULL;        /* strong: the Python `save(value)` it stands for */
+
+/* save(value): `mark_saved`; any other call (a keyword, a wrong count) is the Python
+   function's, which binds its arguments as written and explains. */
+static PyObject *fs_call(PyObject *unused, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (nargs != 1 || kwnames != NULL) return PyObject_Vectorcall(fs_save, args, nargs, kwnames);
+    return mark_saved(args[0], fs_save);
+}
+
+static PyMethodDef fs_def = {"save", (PyCFunction)(void (*)(void))fs_call, METH_FASTCALL | METH_KEYWORDS, NULL};
+
+PyObject *ilc_function_save(PyObject *save) {
+    if (TraceStateType == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "function_save() before TraceState is made");
+        return NULL;
+    }
+    if (!PyFunction_Check(save)) { PyErr_SetString(PyExc_TypeError, "function_save(): `save` must be a function"); return NULL; }
+    if (intern(&s_saved, "saved") < 0) return NULL;
+    if (fs_def.ml_doc == NULL) {   /* its signature and docstring, as the Python function's */
+        PyObject *doc = PyObject_GetAttrString(save, "__doc__");
+        if (doc == NULL) return NULL;
+        const char *text = doc != Py_None ? PyUnicode_AsUTF8(doc) : "";
+        PyObject *full = text != NULL ? PyUnicode_FromFormat("save(value)\n--\n\n%s", text) : NULL;
+        Py_DECREF(doc);
+        if (full == NULL) return NULL;
+        const char *utf8 = PyUnicode_AsUTF8(full);
+        char *kept = utf8 != NULL ? PyMem_RawMalloc(strlen(utf8) + 1) : NULL;   /* kept for the process */
+        if (kept != NULL) strcpy(kept, utf8);
+        Py_DECREF(full);
+        if (kept == NULL) return PyErr_NoMemory();
+        fs_def.ml_doc = kept;
+    }
+    PyObject *module = PyObject_GetAttrString(save, "__module__");
+    if (module == NULL) return NULL;
+    PyObject *function = PyCFunction_NewEx(&fs_def, NULL, module);
+    Py_DECREF(module);
+    if (function == NULL) return NULL;
+    Py_INCREF(save); Py_XSETREF(fs_save, save);
+    return function;
 }

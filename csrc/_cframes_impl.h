@@ -110,4 +110,7 @@ PyObject *ilc_deferred_methods(PyObject *tracer_cls, PyObject *deferred_cls, PyO
    trace's state (outside a trace it calls `save(value)`); classes, modules get `descriptor`'s
    __get__. */
 PyObject *ilc_object_save(PyObject *descriptor, PyObject *save);
+/* `interlace.save` as a builtin function: `save(value)` marks in the current trace's state
+   (one C call); outside a trace, and any other call, it is the Python function `save`'s. */
+PyObject *ilc_function_save(PyObject *save);
 #endif

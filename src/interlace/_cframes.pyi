@@ -196,3 +196,8 @@ def object_save(descriptor: Any, save: Any) -> Any:
     marks the object in the current trace's state (one C call); outside a trace it calls
     `save(value)`, and classes and modules get `descriptor`'s own __get__. The twin returns
     `descriptor` unchanged."""
+
+def function_save(save: Any) -> Any:
+    """`interlace.save` as a builtin function. Compiled: `save(value)` marks `value` in the
+    current trace's state (one C call); outside a trace, and any call with keywords, it is the
+    Python function `save`'s. The twin returns `save` unchanged."""

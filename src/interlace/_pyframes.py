@@ -535,3 +535,9 @@ def object_save(descriptor, save):
     """The descriptor to mount as `object.save`: the twin's is `descriptor` itself (the
     compiled module's is a C one whose bound method marks in C)."""
     return descriptor
+
+
+def function_save(save):
+    """`interlace.save`: the twin's is the Python function itself (the compiled module's is
+    a builtin function that marks in C)."""
+    return save

@@ -535,3 +535,61 @@ def test_a_mounter_that_chains_back_to_ours_does_not_loop(tmp_path):
             print(ours, theirs, "outside a trace" in str(error))
     """, tmp_path)
     assert out == "[1] [2] True"
+
+
+# -- `save` the function: natively one C call, the Python function's behaviour in every case --
+def test_save_by_keyword_and_bad_calls_behave_as_the_python_function():
+    with Tracer():
+        kept = save(value=[7])
+        try:
+            save()
+        except TypeError as error:
+            missing = save(str(error))
+        try:
+            save(1, 2)
+        except TypeError as error:
+            extra = save(str(error))
+        try:
+            save(other=1)
+        except TypeError as error:
+            unknown = save(str(error))
+    assert kept == [7]
+    assert "missing 1 required positional argument: 'value'" in missing
+    assert "takes 1 positional argument but 2 were given" in extra
+    assert "unexpected keyword argument 'other'" in unknown
+    with pytest.raises(ValueError, match=r"save\(\) was called outside a trace"):
+        save(value=1)
+
+
+def test_save_keeps_the_python_function_signature_name_doc_and_pickles():
+    import inspect
+    import pickle
+
+    assert str(inspect.signature(save)) == "(value)"
+    assert save.__name__ == "save"
+    assert save.__module__ == "interlace.tracing.save"
+    assert save.__doc__.startswith("Mark `value` (by identity) to be pushed back after the trace")
+    assert pickle.loads(pickle.dumps(save)) is save
+    assert save_module.save is save
+
+
+@pytest.mark.native_only
+def test_save_in_a_trace_runs_no_python_frame_natively():
+    import types
+
+    assert isinstance(save, types.BuiltinFunctionType)
+    frames = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == save_module.__file__:
+            frames.append(frame.f_code.co_name)
+
+    value = [1]
+    sys.setprofile(profile)
+    try:
+        with Tracer():
+            same = save(value)
+    finally:
+        sys.setprofile(None)
+    assert same is value
+    assert "save" not in frames

@@ -71,6 +71,12 @@ def save(value):
     return value
 
 
+# Natively a builtin function: `save(value)` in a trace is one C call (no Python frame, no
+# module globals touched: on the cache lines a forward left cold, a microsecond a trace);
+# outside a trace, and a call with keywords, it is the function above.
+save = _frames.function_save(save)
+
+
 # -- `.save()` on every object ------------------------------------------------------------------
 class _Mount:
     """The mount's process-wide state (guarded by `_LOCK`)."""
