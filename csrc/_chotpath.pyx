@@ -24,6 +24,7 @@ RELAXED = -1
 POOL_MAX = 64  # idle workers kept per thread (see MediatorCore.release)
 
 cdef class Taps  # defined below; an Exchange keeps its run's
+cdef class ExpressCore  # defined below; an Envoy's read asks its `c_read`
 
 
 @cython.final
@@ -523,7 +524,13 @@ def envoy_reader(output, policy):
         if name == "output" and type(envoy).output is output:
             fields = envoy.__dict__
             engine = fields["_engine"]
-            run = engine.express or engine.general_run
+            run = engine.express
+            if run is not None:  # (`ExpressCore.reader`, without its method call)
+                read = (<ExpressCore?>run).c_read(2 * <Py_ssize_t>fields["_index"] + 1)
+                if read is None:
+                    return run.generator_read(2 * <Py_ssize_t>fields["_index"] + 1)
+                return read
+            run = engine.general_run
             if run is not None:
                 return run.reader(2 * <Py_ssize_t>fields["_index"] + 1)
         return policy(envoy, name)
@@ -539,11 +546,17 @@ def envoy_writer(output, policy):
     edit with no Python frame."""
 
     def __interlace_write__(envoy, name, value):
+        cdef _ExpressRead read
         if name == "output" and type(envoy).output is output:
             fields = envoy.__dict__
             run = fields["_engine"].express
-            if run is not None:
-                return run.writer(2 * <Py_ssize_t>fields["_index"] + 1, value)
+            if run is not None:  # (`ExpressCore.writer`, without its method call)
+                read = (<ExpressCore?>run).c_read(2 * <Py_ssize_t>fields["_index"] + 1)
+                if read is None:
+                    return run.generator_write(2 * <Py_ssize_t>fields["_index"] + 1, value)
+                read.writes = True
+                read.written = value
+                return read
         return policy(envoy, name, value)
 
     return __interlace_write__
