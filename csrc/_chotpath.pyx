@@ -24,7 +24,7 @@ RELAXED = -1
 POOL_MAX = 64  # idle workers kept per thread (see MediatorCore.release)
 
 cdef class Taps  # defined below; an Exchange keeps its run's
-cdef class ExpressCore  # defined below; an Envoy's read asks its `c_read`
+cdef class ExpressCore  # defined below; an Envoy's read and write call its `c_reader`, `c_writer`
 
 
 @cython.final
@@ -526,10 +526,7 @@ def envoy_reader(output, policy):
             engine = fields["_engine"]
             run = engine.express
             if run is not None:  # (`ExpressCore.reader`, without its method call)
-                read = (<ExpressCore?>run).c_read(2 * <Py_ssize_t>fields["_index"] + 1)
-                if read is None:
-                    return run.generator_read(2 * <Py_ssize_t>fields["_index"] + 1)
-                return read
+                return (<ExpressCore?>run).c_reader(2 * <Py_ssize_t>fields["_index"] + 1)
             run = engine.general_run
             if run is not None:
                 return run.reader(2 * <Py_ssize_t>fields["_index"] + 1)
@@ -546,17 +543,11 @@ def envoy_writer(output, policy):
     edit with no Python frame."""
 
     def __interlace_write__(envoy, name, value):
-        cdef _ExpressRead read
         if name == "output" and type(envoy).output is output:
             fields = envoy.__dict__
             run = fields["_engine"].express
             if run is not None:  # (`ExpressCore.writer`, without its method call)
-                read = (<ExpressCore?>run).c_read(2 * <Py_ssize_t>fields["_index"] + 1)
-                if read is None:
-                    return run.generator_write(2 * <Py_ssize_t>fields["_index"] + 1, value)
-                read.writes = True
-                read.written = value
-                return read
+                return (<ExpressCore?>run).c_writer(2 * <Py_ssize_t>fields["_index"] + 1, value)
         return policy(envoy, name, value)
 
     return __interlace_write__
@@ -1540,16 +1531,24 @@ cdef class ExpressCore:
         (the Envoy's `.output`): when the body reads in its own frame, the value being
         served now, or a read of a key still ahead (`_ExpressRead`: yields `~key`; the value
         is `serve`'s); every other case is `generator_read(key)`'s (policy)."""
-        read = self.c_read(key)
-        if read is None:
-            return self.generator_read(key)
-        return read
+        return self.c_reader(key)
 
     def writer(self, Py_ssize_t key, value):
         """Body side: what a generator body's `yield from` runs to set module output `key`
         to `value` (the Envoy's `.output = value`): as `reader`, an `_ExpressRead` that
         makes the write (the run's `value`, `replaced`, `last_write`) once the key is served
         and returns None; every other case is `generator_write(key, value)`'s (policy)."""
+        return self.c_writer(key, value)
+
+    cdef object c_reader(self, Py_ssize_t key):
+        # `reader`, also called from an Envoy's compiled read (`envoy_reader`)
+        read = self.c_read(key)
+        if read is None:
+            return self.generator_read(key)
+        return read
+
+    cdef object c_writer(self, Py_ssize_t key, value):
+        # `writer`, also called from an Envoy's compiled write (`envoy_writer`)
         cdef _ExpressRead read = self.c_read(key)
         if read is None:
             return self.generator_write(key, value)
