@@ -6,6 +6,7 @@
     python -m benchmarks --workloads save_one,edit_slope --contenders hooks,interlace
     python -m benchmarks --baseline 2eafd86       # before/after: interlace at 2eafd86, built, beside this tree's
     python -m benchmarks --runs 3 --baseline 2eafd86   # the same three times: medians and spread
+    python -m benchmarks --combine r1.json r2.json r3.json   # separate runs' JSON read as one --runs 3
 
 Contenders (benchmarks/contenders.py): raw forward, plain hooks (the floor), issue 20's
 tapped-greenlet prototype (benchmarks/prototype.py), interlace native, the interlace twin (a worker process, taking turns with this one), with --baseline
@@ -52,6 +53,9 @@ def parse(argv):
                    help="the whole measurement N times, fresh workers each time: medians of the per-run "
                         "figures, with their spread (min-max)")
     p.add_argument("--json", default=None, help="where to write the figures")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: read these runs' --json files (one run each, e.g. each under its own "
+                        "time limit) and report them as one --runs N result")
     o = p.parse_args(argv)
     if o.runs < 1:
         p.error(f"--runs {o.runs}: at least 1")
@@ -71,6 +75,7 @@ def parse(argv):
 
         if not torch.cuda.is_available():
             p.error(f"--device {o.device}: torch {torch.__version__} sees no CUDA device here")
+    o.json_given = o.json is not None  # --combine writes only where asked
     o.json = o.json or os.path.join(measure.ROOT, "build", f"bench-{device}.json")
     o.baseline_dir = o.baseline_dir or os.path.join(measure.ROOT, "build")
     return o
@@ -216,8 +221,62 @@ def prepare_baseline(o) -> dict:
     return {"ref": made.ref, "sha": made.sha, "tree": made.tree, "label": made.label, "src": made.src}
 
 
+def combined(files: list) -> dict:
+    """Separate runs' JSON files read as one `--runs N` result: the same medians and spreads."""
+    each = []
+    for path in files:
+        try:
+            with open(path) as f:
+                one = json.load(f)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--combine: cannot read {path}: {error}") from None
+        one.pop("markdown", None)
+        if "runs" in one:
+            raise SystemExit(f"--combine: {path} already combines {len(one['runs'])} runs; give the single runs")
+        if each and one.get("settings") != each[0].get("settings"):
+            raise SystemExit(f"--combine: {path} was measured with other settings than {files[0]} "
+                             f"({one.get('settings')} against {each[0].get('settings')})")
+        each.append(one)
+    if len(each) == 1:
+        return each[0]
+    out = {**runs.combine(each), "runs": each, "workers": [r.get("workers") for r in each]}
+    out["settings"] = {**each[0]["settings"], "runs": len(each)}
+    return out
+
+
 def main(argv=None) -> int:
     o = parse(argv)
+    results = combined(o.combine) if o.combine else measure_all(o)
+    if "runs" in results:
+        results["goals"] = report.goals(results)
+        results["before_after"] = report.before_after(results)
+    text = report.markdown(results)
+    print(text)
+    if o.combine and not o.json_given:
+        return 0  # nothing measured: the default JSON (the last measurement) is left as it is
+    os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
+    with open(o.json, "w") as f:
+        json.dump({**results, "markdown": text}, f, indent=1, default=str)
+    progress(f"figures written to {o.json}")
+    return 0
+
+
+def measure_all(o) -> dict:
+    """Every run of the measurement: one run's result, or `--runs N` runs read as one."""
+    settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
+    measure.configure(settings)
+    wanted = set(o.contenders.split(",")) if o.contenders else None
+    if wanted is not None and o.baseline:
+        wanted.add("baseline")  # asked for by name
+    baseline = prepare_baseline(o) if o.baseline else None
+    # in this process, kept across runs (their wrappers and nnsight's copies are made once)
+    here = [C.Raw(), C.Hooks(), Prototype(), GeneratorPrototype(), GeneratorCore(), C.Interlace(), C.NNsight(), C.TransformerLens()]
+    each = []
+    for i in range(o.runs):
+        if o.runs > 1:
+            progress(f"run {i + 1} of {o.runs}")
+        each.append(measure_once(o, settings, here, wanted, baseline))
+    return each[0] if o.runs == 1 else {**runs.combine(each), "runs": each, "workers": [r["workers"] for r in each]}
     settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
     measure.configure(settings)
     wanted = set(o.contenders.split(",")) if o.contenders else None

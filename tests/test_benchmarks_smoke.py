@@ -237,6 +237,17 @@ def test_several_runs_report_the_median_and_the_spread_of_fresh_runs(tmp_path):
     goal = next(g for g in results["goals"] if g["goal"] == "tracer")
     assert goal["interlace"] == results["workloads"]["tracer"]["cases"]["tiny body"]["interlace"]["ratio"]
 
+    # --combine: the same two runs, each from its own file (as a time-limited GPU lease runs
+    # them, one process each), read as one: the same figures and the same report
+    files = []
+    for i, one in enumerate(each):
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps(one))
+    again, remarkdown, _ = _harness("--combine", *map(str, files), tmp=tmp_path)
+    assert again["settings"] == results["settings"] and again["runs"] == each
+    assert again["workloads"] == results["workloads"] and again["goals"] == results["goals"]
+    assert "median of 2 whole runs" in remarkdown
+
 
 def test_combining_runs_by_hand():
     combine = _bench_module("runs").combine
