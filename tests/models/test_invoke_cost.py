@@ -12,11 +12,14 @@ each prompt into rows and stacking them back, as the prompt preparation did befo
 import os
 import sys
 
+import pytest
 import torch
 
 from conftest import layers
 
-PER_INVOKE_BOUND = 15  # 11 now (14 with generator bodies off): the invoke, its tracer and backend, job, route, prompt, h[0], end
+from interlace.models import inputs
+
+PER_INVOKE_BOUND = 10  # 3 now (8 with generator bodies off); a tensor of ids per invoke has no prompt step (PromptBatcher.batch_invokes)
 _OURS = tuple(os.sep + os.path.join("interlace", part) + os.sep for part in ("intervention", "models"))
 
 
@@ -74,3 +77,93 @@ def test_a_further_invoke_costs_a_bounded_number_of_calls_and_each_equals_its_pr
         torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, seen[0])
     for a, b in zip(few, many):
         torch.testing.assert_close(a, b)
+
+
+def _model_inputs(lm, invokes):
+    """The keyword inputs the model's forward received in a trace of `invokes` (each a
+    tuple of positional inputs), and each invoke's layer-0 output."""
+    seen = {}
+    handle = lm._module.register_forward_pre_hook(
+        lambda m, a, k: seen.update({name: v.clone() for name, v in k.items() if torch.is_tensor(v)}),
+        with_kwargs=True)
+    outs = []
+    try:
+        with torch.no_grad(), lm.trace() as tracer:
+            for args in invokes:
+                with tracer.invoke(*args):
+                    outs.append(lm.lm_head.output.save())
+    finally:
+        handle.remove()
+    return seen, outs
+
+
+def test_invokes_of_one_tensor_of_ids_each_are_batched_with_no_step_per_invoke(gpt2_lm, monkeypatch):
+    """`tracer.invoke(ids)` in a loop, every `ids` a 2-D int64 tensor of one width (some of
+    several rows): batched by the language model's shortcut (`PromptBatcher.batch_invokes`:
+    no `prepare` per invoke), giving the model what the prepared path gives it, and each
+    invoke the logits of its tensor run alone."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(0, 300, (rows, 6), generator=g) for rows in (1, 3, 1, 2)]
+    invokes = [(t,) for t in tensors]
+    _model_inputs(gpt2_lm, invokes)  # warm: the sites audited
+    prepares = []
+    real_prepare = inputs.PromptBatcher.prepare
+    monkeypatch.setattr(inputs.PromptBatcher, "prepare", lambda self, *a: prepares.append(a) or real_prepare(self, *a))
+    fast, outs = _model_inputs(gpt2_lm, invokes)
+    assert prepares == []  # the shortcut took them: no step per invoke
+    monkeypatch.setattr(inputs.PromptBatcher, "batch_invokes", lambda self, invokes: None)
+    slow, slow_outs = _model_inputs(gpt2_lm, invokes)
+    assert len(prepares) == len(invokes)  # (the prepared path, for reference)
+    assert fast.keys() == slow.keys() >= {"input_ids", "attention_mask"}
+    for name in fast:
+        assert torch.equal(fast[name], slow[name]), name
+    module = gpt2_lm._module
+    for t, got, ref in zip(tensors, outs, slow_outs):
+        with torch.no_grad():
+            alone = module(t).logits
+        torch.testing.assert_close(got, alone)
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("case", ["widths differ", "int32 ids", "1-D ids", "an empty tensor", "a keyword",
+                                  "two inputs", "a list of ids", "a string"])
+def test_invokes_the_shortcut_declines_go_the_prepared_way(gpt2_lm, monkeypatch, case):
+    """Anything but one non-empty 2-D int64 tensor of one width per invoke is the prepared
+    path's, with its padding, conversions and errors: the same with the shortcut as without."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 300, (1, 6), generator=g)
+    other = {
+        "widths differ": ((torch.randint(0, 300, (1, 4), generator=g),), {}),
+        "int32 ids": ((ids.to(torch.int32),), {}),
+        "1-D ids": ((ids[0],), {}),
+        "an empty tensor": ((ids[:0],), {}),
+        "a keyword": ((ids,), {"attention_mask": torch.ones_like(ids)}),
+        "two inputs": ((ids, ids), {}),
+        "a list of ids": ((ids[0].tolist(),), {}),
+        "a string": (("hello there",), {}),
+    }[case]
+
+    def run():
+        try:
+            with torch.no_grad(), gpt2_lm.trace() as tracer:
+                with tracer.invoke(ids):
+                    first = gpt2_lm.lm_head.output.save()
+                with tracer.invoke(*other[0], **other[1]):
+                    second = gpt2_lm.lm_head.output.save()
+        except Exception as error:  # noqa: BLE001 - compared below
+            return type(error), str(error).split("\n")[0]
+        return first, second
+
+    declined = []
+    real = inputs.PromptBatcher.batch_invokes
+    monkeypatch.setattr(inputs.PromptBatcher, "batch_invokes",
+                        lambda self, invokes: declined.append(real(self, invokes)) or declined[-1])
+    got = run()
+    assert declined == [None]  # asked, and it declined
+    monkeypatch.setattr(inputs.PromptBatcher, "batch_invokes", lambda self, invokes: None)
+    ref = run()
+    if isinstance(ref[0], type):  # an error: the same one
+        assert got == ref
+    else:
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)

@@ -138,6 +138,12 @@ class Batcher:
     def slices(self, prepared):
         return rows_slices(map(_ROWS, prepared))
 
+    def batch_invokes(self, invokes):
+        """`(args, kwargs, slices)` of several invokes' `(fn, args, kwargs)` in one step, or
+        None: take `prepare`, `batch` and `slices` (the default). A batcher whose common
+        invokes need no step each may answer here; it must give what those three would."""
+        return None
+
     def _combine(self, values, what):
         first = values[0]
         dim = self.dim

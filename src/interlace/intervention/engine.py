@@ -302,10 +302,12 @@ class Engine:
             # every invoke passes the very same inputs (a sweep's shared input): prepared
             # once, repeated as one op, its rows evenly split (no step per invoke)
             args, kwargs, rows = batcher.repeated(batcher.prepare(*invokes[0][1:]), n)
-        else:
+        elif n < 2 or (quick := batcher.batch_invokes(invokes)) is None:
             prepared = _prepare_all(batcher, invokes)
             args, kwargs = batcher.batch(prepared) if prepared else ((), {})
             rows = batcher.slices(prepared) if n > 1 else None
+        else:  # (the batcher's own shortcut: no step per invoke)
+            args, kwargs, rows = quick
         if n > 1:
             interleaver.total = rows[-1].stop
             interleaver.dim = batcher.dim

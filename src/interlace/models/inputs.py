@@ -49,6 +49,10 @@ _KWARGS = operator.attrgetter("kwargs")
 _PROMPT = operator.attrgetter("prompt")
 _TRIMMED = operator.attrgetter("trimmed")
 _MODULES = operator.attrgetter("_modules")  # a torch module's children by name
+_INVOKE_ARGS = operator.itemgetter(1)  # an invoke's (fn, args, kwargs) parts
+_INVOKE_KWARGS = operator.itemgetter(2)
+_FIRST = operator.itemgetter(0)
+_DTYPE = operator.attrgetter("dtype")
 
 ACCEPTED = (
     "a string, a list of strings, token ids (a list of ints, a list of lists of ints, or a "
@@ -412,16 +416,41 @@ class PromptBatcher(Batcher):
             # every prompt is ids of one width (`prepare`'s common invoke): stacked (a copy,
             # even of one: an in-place edit of the model's input never reaches the user's
             # tensor), with one mask of ones
-            ids = torch.cat(prompts)
-            out = self.model_kwargs({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                    rest, positions=False)
-            if not self.generate and "position_ids" in self.forward_signature()[0]:
-                # `position_ids(mask)` of a mask of ones, in two ops instead of four
-                out["position_ids"] = out["attention_mask"].cumsum(-1).sub_(1)
-            return (), out
+            return (), self._ids_kwargs(torch.cat(prompts), rest)
         prompts = [_ids_batch(p) if isinstance(p, torch.Tensor) else p for p in prompts]
         combined, _ = combine(prompts, self.tokenizer, list(map(_TRIMMED, prepared)))
         return (), self.model_kwargs(combined, rest, positions=not self.generate)
+
+    def batch_invokes(self, invokes):
+        """The invokes that each pass one 2-D tensor of token ids (int64, not empty) of one
+        width and nothing else (`tracer.invoke(ids)` in a loop), batched with no step per
+        invoke: what `prepare`, `batch` and `slices` give them. None for anything else."""
+        if self.generate or any(map(_INVOKE_KWARGS, invokes)):
+            return None
+        args = list(map(_INVOKE_ARGS, invokes))
+        if not all(map(operator.eq, map(len, args), itertools.repeat(1))):
+            return None
+        prompts = list(map(_FIRST, args))
+        if not all(map(operator.is_, map(type, prompts), itertools.repeat(torch.Tensor))):
+            return None
+        try:
+            ids = torch.cat(prompts)
+        except (RuntimeError, TypeError):  # widths, dims or devices differ: `prepare` says how
+            return None
+        if ids.dim() != 2 or not all(map(torch.Tensor.numel, prompts)) or not all(
+                map(operator.is_, map(_DTYPE, prompts), itertools.repeat(_LONG))):
+            return None
+        return (), self._ids_kwargs(ids, {}), rows_slices(map(torch.Tensor.size, prompts, itertools.repeat(0)))
+
+    def _ids_kwargs(self, ids, rest):
+        """The model's keywords for `ids` (a batch of unpadded prompts, a new tensor): one mask
+        of ones, and positions when the forward takes them."""
+        out = self.model_kwargs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, rest,
+                                positions=False)
+        if not self.generate and "position_ids" in self.forward_signature()[0]:
+            # `position_ids(mask)` of a mask of ones, in two ops instead of four
+            out["position_ids"] = out["attention_mask"].cumsum(-1).sub_(1)
+        return out
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
 
