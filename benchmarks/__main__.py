@@ -277,31 +277,6 @@ def measure_all(o) -> dict:
             progress(f"run {i + 1} of {o.runs}")
         each.append(measure_once(o, settings, here, wanted, baseline))
     return each[0] if o.runs == 1 else {**runs.combine(each), "runs": each, "workers": [r["workers"] for r in each]}
-    settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
-    measure.configure(settings)
-    wanted = set(o.contenders.split(",")) if o.contenders else None
-    if wanted is not None and o.baseline:
-        wanted.add("baseline")  # asked for by name
-    baseline = prepare_baseline(o) if o.baseline else None
-    # in this process, kept across runs (their wrappers and nnsight's copies are made once)
-    here = [C.Raw(), C.Hooks(), Prototype(), GeneratorPrototype(), GeneratorCore(), C.Interlace(), C.NNsight(), C.TransformerLens()]
-    each = []
-    for i in range(o.runs):
-        if o.runs > 1:
-            progress(f"run {i + 1} of {o.runs}")
-        each.append(measure_once(o, settings, here, wanted, baseline))
-    results = each[0] if o.runs == 1 else {**runs.combine(each), "runs": each,
-                                           "workers": [r["workers"] for r in each]}
-    if o.runs > 1:
-        results["goals"] = report.goals(results)
-        results["before_after"] = report.before_after(results)
-    text = report.markdown(results)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
-    with open(o.json, "w") as f:
-        json.dump({**results, "markdown": text}, f, indent=1, default=str)
-    progress(f"figures written to {o.json}")
-    return 0
 
 
 def measure_once(o, settings, here, wanted, baseline) -> dict:
