@@ -249,6 +249,32 @@ def test_several_runs_report_the_median_and_the_spread_of_fresh_runs(tmp_path):
     assert "median of 2 whole runs" in remarkdown
 
 
+def test_combine_refuses_what_it_cannot_read_as_one_result(tmp_path):
+    """--combine reads single runs of one measurement: a file it cannot read, a file that
+    already combines runs, or runs measured with other settings are each one line, not a
+    report."""
+    def run_file(name, **settings):
+        path = tmp_path / name
+        path.write_text(json.dumps({"settings": {"device": "cpu", "repeats": 2, "runs": 1, **settings}}))
+        return str(path)
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    combined = tmp_path / "combined.json"
+    combined.write_text(json.dumps({"settings": {"runs": 2}, "runs": [{}, {}]}))
+    cases = {
+        "cannot read": [run_file("a.json"), str(tmp_path / "missing.json")],
+        "already combines 2 runs": [str(combined)],
+        "other settings": [run_file("a.json"), run_file("b.json", repeats=200)],
+    }
+    for says, files in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "--combine", *files], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and proc.stdout == "", (says, proc.stdout[-500:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("--combine: ") and says in lines[0], (says, proc.stderr)
+
+
 def test_combining_runs_by_hand():
     combine = _bench_module("runs").combine
     runs = [{"settings": {"runs": 3}, "w": {"c": {"ratio": r, "agrees": ok, "max_diff": d, "label": f"run{i}"}}}
