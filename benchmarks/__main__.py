@@ -221,8 +221,8 @@ def prepare_baseline(o) -> dict:
     return {"ref": made.ref, "sha": made.sha, "tree": made.tree, "label": made.label, "src": made.src}
 
 
-def combined(files: list) -> dict:
-    """Separate runs' JSON files read as one `--runs N` result: the same medians and spreads."""
+def read_runs(files: list) -> list:
+    """`--combine`: the single runs in these JSON files (checked to be one measurement's)."""
     each = []
     for path in files:
         try:
@@ -237,17 +237,17 @@ def combined(files: list) -> dict:
             raise SystemExit(f"--combine: {path} was measured with other settings than {files[0]} "
                              f"({one.get('settings')} against {each[0].get('settings')})")
         each.append(one)
-    if len(each) == 1:
-        return each[0]
-    out = {**runs.combine(each), "runs": each, "workers": [r.get("workers") for r in each]}
-    out["settings"] = {**each[0]["settings"], "runs": len(each)}
-    return out
+    return each
 
 
 def main(argv=None) -> int:
     o = parse(argv)
-    results = combined(o.combine) if o.combine else measure_all(o)
-    if "runs" in results:
+    each = read_runs(o.combine) if o.combine else measure_runs(o)
+    if len(each) == 1:
+        results = each[0]
+    else:  # several runs read as one: medians and spreads (runs.py)
+        results = {**runs.combine(each), "runs": each, "workers": [r.get("workers") for r in each],
+                   "settings": {**each[0]["settings"], "runs": len(each)}}
         results["goals"] = report.goals(results)
         results["before_after"] = report.before_after(results)
     text = report.markdown(results)
@@ -261,8 +261,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def measure_all(o) -> dict:
-    """Every run of the measurement: one run's result, or `--runs N` runs read as one."""
+def measure_runs(o) -> list:
+    """Every run of the measurement (`--runs N`), each one run's result."""
     settings = {"device": o.device, "dtype": o.dtype, "threads": o.threads}
     measure.configure(settings)
     wanted = set(o.contenders.split(",")) if o.contenders else None
@@ -276,7 +276,7 @@ def measure_all(o) -> dict:
         if o.runs > 1:
             progress(f"run {i + 1} of {o.runs}")
         each.append(measure_once(o, settings, here, wanted, baseline))
-    return each[0] if o.runs == 1 else {**runs.combine(each), "runs": each, "workers": [r["workers"] for r in each]}
+    return each
 
 
 def measure_once(o, settings, here, wanted, baseline) -> dict:
