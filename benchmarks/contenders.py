@@ -277,7 +277,7 @@ class Interlace(Contender):
 
         def run():
             with model.trace(ids):
-                h = save(s.layers(model)[0].output)
+                h = save(s.layers_of(model)[0].output)
             return h
         return run
 
@@ -289,11 +289,11 @@ class Interlace(Contender):
 
         def run():
             with model.trace(ids):
-                layers = s.layers(model)
+                layers = s.layers_of(model)
                 for i in range(k):
                     mlp = layers[i].mlp
                     mlp.output = torch.zeros_like(mlp.output)
-                logits = save(s.lm_head(model).output)
+                logits = save(s.head_of(model).output)
             return logits
         return run
 
@@ -301,7 +301,7 @@ class Interlace(Contender):
     def zeroed(self, s):
         """`model.edit()` zeroing every MLP's output (the zero_mlps edit, recorded once)."""
         with self.model(s).edit() as edited:
-            for layer in s.layers(edited):
+            for layer in s.layers_of(edited):
                 layer.mlp.output = torch.zeros_like(layer.mlp.output)
         return edited
 
@@ -317,7 +317,7 @@ class Interlace(Contender):
 
         def run():
             with edited.trace(ids):
-                logits = save(s.lm_head(edited).output)
+                logits = save(s.head_of(edited).output)
             return logits
         return run
 
@@ -328,7 +328,7 @@ class Interlace(Contender):
 
         def run():
             with model.trace(ids):
-                hs = save([layer.output for layer in s.layers(model)])
+                hs = save([layer.output for layer in s.layers_of(model)])
             return hs
         return run
 
@@ -342,7 +342,7 @@ class Interlace(Contender):
                 hs = save([])
                 for row in rows:
                     with tracer.invoke(row):
-                        hs.append(s.layers(lm)[0].output)
+                        hs.append(s.layers_of(lm)[0].output)
             return hs
         return run
 
@@ -356,7 +356,7 @@ class Interlace(Contender):
             with lm.generate(ids, **kw) as tracer:
                 logits = save([])
                 for step in tracer.iter[:]:  # noqa: B007 - the loop drives the steps
-                    logits.append(s.lm_head(lm).output)
+                    logits.append(s.head_of(lm).output)
             return logits
         return run
 
@@ -379,7 +379,7 @@ class Interlace(Contender):
         from .probes import sweep as P
 
         model, (clean, corrupt, items) = self.model(s), patching(s, repeat)
-        blocks, head = s.layers(model), s.lm_head(model)
+        blocks, head = s.layers_of(model), s.head_of(model)
         return lambda: torch.cat(P.patch_sweep(model, blocks, head, items, corrupt, clean, batch)[0])
 
     def noop_tracer(self, s):
@@ -403,7 +403,7 @@ class Interlace(Contender):
         from .probes import datasets as D
 
         model, folder = self.model(s), _folder()
-        layers = s.layers(model)
+        layers = s.layers_of(model)
         first, last = layers[0], layers[len(s.layers()) - 1]
         ids = D.windows(s.shape.vocab, items, tokens).to(s.device)
 
@@ -452,7 +452,7 @@ class NNsight(Contender):
 
         def run():
             with model.trace(ids):
-                h = save(s.layers(model)[0].output)
+                h = save(s.layers_of(model)[0].output)
             return h
         return run
 
@@ -464,11 +464,11 @@ class NNsight(Contender):
 
         def run():
             with model.trace(ids):
-                layers = s.layers(model)
+                layers = s.layers_of(model)
                 for i in range(k):
                     mlp = layers[i].mlp
                     mlp.output = torch.zeros_like(mlp.output)
-                logits = save(s.lm_head(model).output)
+                logits = save(s.head_of(model).output)
             return logits
         return run
 
@@ -479,7 +479,7 @@ class NNsight(Contender):
 
         def run():
             with model.trace(ids):
-                hs = save([layer.output for layer in s.layers(model)])
+                hs = save([layer.output for layer in s.layers_of(model)])
             return hs
         return run
 
@@ -493,7 +493,7 @@ class NNsight(Contender):
                 hs = save([])
                 for row in rows:
                     with tracer.invoke(row):
-                        hs.append(s.layers(lm)[0].output)
+                        hs.append(s.layers_of(lm)[0].output)
             return hs
         return run
 
@@ -506,7 +506,7 @@ class NNsight(Contender):
             with lm.generate(ids, **kw) as tracer:
                 logits = save([])
                 for step in tracer.iter[:]:  # noqa: B007 - the loop drives the steps
-                    logits.append(s.lm_head(lm).output)
+                    logits.append(s.head_of(lm).output)
             return logits
         return run
 

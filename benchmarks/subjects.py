@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import torch
 
@@ -65,6 +66,16 @@ class Subject:
     @property
     def arch(self) -> str:
         return self.shape.arch
+
+    def __post_init__(self):
+        # A body's lookups, `layers_of(model)` and `head_of(model)`: one C call each
+        # (`operator.attrgetter`), the getattrs a body written as `model.transformer.h` makes.
+        # `layers(model)` would add this helper's own Python frames to every timed trace, which
+        # the user's inline attribute chain does not have (and hooks and the prototypes, which
+        # look their modules up before timing, do not pay).
+        layers, head = PATHS.get(self.arch, ("", ""))  # (the 2x2 Linear has neither)
+        self.layers_of = operator.attrgetter(layers) if layers else None
+        self.head_of = operator.attrgetter(head) if head else None
 
     def layers(self, root=None):
         """The layer list of `root` (the module, an interlace or nnsight envoy of it)."""

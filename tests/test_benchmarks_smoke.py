@@ -285,6 +285,19 @@ def test_combining_runs_by_hand():
                              "label": "run0"}
 
 
+def test_a_body_looks_its_modules_up_as_the_helpers_do():
+    """The interlace and nnsight bodies look their modules up with `layers_of`/`head_of` (one
+    C call, as a user's inline attribute chain): the same modules, or Envoys of them, as the
+    `layers`/`lm_head` helpers give."""
+    subjects = _bench_module("subjects")
+    s = subjects.build("tiny")
+    assert s.layers_of(s.module) is s.layers() and s.head_of(s.module) is s.lm_head()
+    model = interlace.Model(s.module)
+    assert s.layers_of(model)[0]._module is s.layers()[0]
+    assert s.head_of(model)._module is s.lm_head()
+    assert subjects.build("linear").layers_of is None  # a 2x2 Linear has no layers
+
+
 def test_a_worker_that_dies_says_why_in_one_line(tmp_path, capfd):
     """A worker whose interlace cannot even be imported (as a baseline from the middle of a
     redesign may be) reports its last error line, not "see above"."""
