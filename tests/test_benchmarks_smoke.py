@@ -444,3 +444,16 @@ def test_routes_probe_times_both_routes_of_the_same_sites(tmp_path):
     for row in rows[1:]:
         generator, greenlet = (float(cell.strip().replace(",", "")) for cell in row.split("|")[2:4])
         assert generator > 0 and greenlet > 0
+
+
+def test_device_calls_probe_lists_what_differs_from_the_raw_forward():
+    """`probes/device_calls.py`: per workload, the events whose count per call differs from
+    the raw forward's; saving one block asks for nothing more (an empty table)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "device_calls.py"),
+                           "--workloads", "save_one,zero_mlps", "--calls", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    save_one, zero_mlps = out.split("### save_one")[1].split("### zero_mlps")
+    assert "| (none) | | | |" in save_one
+    assert "| `aten::zeros_like` | 0 | 2 | 2 |" in zero_mlps  # one per MLP, hooks and trace alike
