@@ -68,33 +68,27 @@ class Subject:
         return self.shape.arch
 
     def __post_init__(self):
-        # A body's lookups, `layers_of(model)` and `head_of(model)`: one C call each
-        # (`operator.attrgetter`), the getattrs a body written as `model.transformer.h` makes.
-        # `layers(model)` would add this helper's own Python frames to every timed trace, which
-        # the user's inline attribute chain does not have (and hooks and the prototypes, which
-        # look their modules up before timing, do not pay).
+        # `layers_of(root)`, `head_of(root)`: one C call each (`operator.attrgetter`), the
+        # getattrs of a body written as `model.transformer.h`. Timed bodies call these, not a
+        # helper of their own: its Python frames would be paid on every trace, which a user's
+        # inline attribute chain (and hooks and the prototypes, which look their modules up
+        # before timing) does not pay.
         layers, head = PATHS.get(self.arch, ("", ""))  # (the 2x2 Linear has neither)
         self.layers_of = operator.attrgetter(layers) if layers else None
         self.head_of = operator.attrgetter(head) if head else None
 
     def layers(self, root=None):
         """The layer list of `root` (the module, an interlace or nnsight envoy of it)."""
-        return _walk(self.module if root is None else root, PATHS[self.arch][0])
+        return self.layers_of(self.module if root is None else root)
 
     def lm_head(self, root=None):
-        return _walk(self.module if root is None else root, PATHS[self.arch][1])
+        return self.head_of(self.module if root is None else root)
 
     def rows(self, n: int) -> list:
         """`n` different single-row inputs (for invokes), seeded."""
         g = torch.Generator().manual_seed(n)
         return [torch.randint(0, self.shape.vocab, (1, self.shape.tokens), generator=g).to(self.device)
                 for _ in range(n)]
-
-
-def _walk(root, path: str):
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def tokenizer(vocab: int):

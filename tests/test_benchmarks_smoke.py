@@ -292,6 +292,7 @@ def test_a_body_looks_its_modules_up_as_the_helpers_do():
     subjects = _bench_module("subjects")
     s = subjects.build("tiny")
     assert s.layers_of(s.module) is s.layers() and s.head_of(s.module) is s.lm_head()
+    assert s.layers() is s.module.transformer.h and s.lm_head() is s.module.lm_head  # as written by hand
     model = interlace.Model(s.module)
     assert s.layers_of(model)[0]._module is s.layers()[0]
     assert s.head_of(model)._module is s.lm_head()
