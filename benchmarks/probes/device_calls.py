@@ -96,8 +96,9 @@ def main(argv=None):
 
 
 def _counted(name):
-    """Operators and device runtime calls; not the profiler's own Python-level records."""
-    return name.startswith(("aten::", "cuda", "cu")) or "Synchron" in name or "Memcpy" in name
+    """Operators and the CUDA runtime's and driver's calls (`cuda...`, `cu...`: launches,
+    copies, synchronisations); not the profiler's own Python-level records."""
+    return name.startswith(("aten::", "cu"))
 
 
 if __name__ == "__main__":
