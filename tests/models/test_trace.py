@@ -108,6 +108,27 @@ def test_invokes_of_different_lengths(lm, hf_model, hf_tokenizer, arch):
     assert not torch.allclose(logits[1, -n1:], plain, atol=1e-3)
 
 
+def test_each_invoke_reads_the_models_output_as_its_own_output_object(lm, hf_model, hf_tokenizer, arch):
+    """`model.output` read in each invoke is that invoke's rows of the model's output object:
+    the same type and keys as the plain model's, its logits equal to the prompt run alone
+    (right-aligned: shorter prompts are left-padded), by attribute, key and position."""
+    texts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    outs = []
+    with torch.no_grad():
+        with lm.trace() as tracer:
+            for text in texts:
+                with tracer.invoke(text):
+                    outs.append(lm.output.save())
+    for text, out in zip(texts, outs):
+        with torch.no_grad():
+            ref = hf_model(encode(hf_tokenizer, text))
+        n = len(hf_tokenizer(text)["input_ids"])
+        assert type(out) is type(ref) and list(out.keys()) == list(ref.keys())
+        assert out.logits.shape[0] == 1
+        assert out.logits is out["logits"] is out[0]
+        torch.testing.assert_close(out.logits[0, -n:], ref.logits[0])
+
+
 def test_invokes_of_token_id_tensors_of_any_width_and_form_equal_each_alone(lm, hf_model, hf_tokenizer):
     """Invokes given tensors of ids (1-D, 2-D, int32), of one width or several, or beside a
     string, are each the prompt alone; none of them changes the user's tensor."""

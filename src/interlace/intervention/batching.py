@@ -27,6 +27,7 @@ from collections import namedtuple
 import torch
 
 from ..errors import BatchingError  # re-exported: its home is interlace.errors
+from .outputs import rebuild
 
 
 class Prepared(namedtuple("Prepared", ("args", "kwargs", "rows"))):
@@ -276,12 +277,7 @@ def map_leaves(value, fn):
             return [walk(x) for x in v]
         if isinstance(v, dict):
             out = {k: walk(x) for k, x in v.items()}
-            if type(v) is dict:
-                return out
-            try:
-                return type(v)(**out)
-            except Exception:  # noqa: BLE001 - exotic mapping: hand back a plain dict
-                return out
+            return out if type(v) is dict else rebuild(v, out)
         return v
 
     return walk(value)
@@ -433,12 +429,7 @@ def swap(full, part, rows, total, layout=None, dim=0, expanded=None):
             return items
         if isinstance(f, dict) and isinstance(p, dict):
             out = {k: walk(f[k], v) if k in f else v for k, v in p.items()}
-            if type(f) is dict:
-                return out
-            try:
-                return type(f)(**out)
-            except Exception:  # noqa: BLE001 - an output type we cannot rebuild: a plain mapping
-                return out
+            return out if type(f) is dict else rebuild(f, out)
         return p
 
     return walk(full, part)

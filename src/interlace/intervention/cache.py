@@ -36,6 +36,7 @@ import torch
 from ..errors import CacheError  # re-exported: its home is interlace.errors
 from ..tracing import save
 from .batching import narrow
+from .outputs import rebuild
 from .access import module_of
 from .envoy import Envoy
 
@@ -80,12 +81,7 @@ def _apply(value, fn):
         return [_apply(v, fn) for v in value]
     if isinstance(value, dict):
         out = {k: _apply(v, fn) for k, v in value.items()}
-        if type(value) is dict:
-            return out
-        try:
-            return type(value)(**out)  # transformers' ModelOutput and friends
-        except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict of the same items
-            return out
+        return out if type(value) is dict else rebuild(value, out)  # (ModelOutputs too)
     return value
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import InterlaceError
+from ..intervention.outputs import rebuild
 
 
 class SweepResults(Mapping):
@@ -192,10 +193,8 @@ def compact(value):
         out = {k: compact(v) for k, v in value.items()}
         if all(out[k] is value[k] for k in out):
             return value
-        try:
-            return type(value)(**out)
-        except Exception:  # noqa: BLE001 - an output type we cannot rebuild: keep it whole
-            return value
+        rebuilt = rebuild(value, out)
+        return rebuilt if type(rebuilt) is type(value) else value  # (one it cannot rebuild: whole)
     return value
 
 
