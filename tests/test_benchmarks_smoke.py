@@ -431,6 +431,27 @@ def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     assert [o.split("=")[0] for o in steps.cache_options()[1:]] == ["--D1", "--I1", "--LL"]
 
 
+def test_steps_probe_walks_the_invokes_steps_of_a_trace_of_invokes(tmp_path):
+    """`steps.py --invokes N` counts a trace of N invokes: run here without callgrind (its
+    marks are no-ops outside valgrind), its step log has each invoke's collection and the
+    batching of their prompts, once per invoke and once per trace."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    try:
+        import steps
+    finally:
+        sys.path.pop(0)
+    library, why = steps.build_helper(str(tmp_path))
+    if library is None:
+        pytest.skip(f"steps.py's marks helper: {why}")
+    steps.inside(str(tmp_path), 2, invokes=3)
+    calls = {}
+    for name, kind, _ in json.loads((tmp_path / "log.json").read_text())["log"]:
+        calls[name] = calls.get(name, 0) + (kind == 1)
+    assert calls["_InvokeBackend.__call__"] == 2 * 3 and calls["GeneratorMediator.start"] == 2 * 3
+    assert calls["PromptBatcher.batch_invokes"] == 2 and calls["trace, whole"] == 2
+    assert "Express.run" not in calls  # several invokes: the general run
+
+
 def test_routes_probe_times_both_routes_of_the_same_sites(tmp_path):
     """`probes/routes.py`: the same warm sites timed as generators and on greenlets, in paired
     rounds; each case reports both medians, and the sites run as generators again after."""

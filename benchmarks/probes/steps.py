@@ -6,6 +6,8 @@
                                                           # counts stable to a few hundred
     python benchmarks/probes/steps.py --cache      # + each step's simulated L1 and L2 misses
     python benchmarks/probes/steps.py --footprint  # the distinct cache lines of whole calls
+    python benchmarks/probes/steps.py --invokes 16  # a trace of 16 invokes (the harness's
+                                                    # `invokes` workload) on the general run
 
 Issue 20 asks for interlace's fixed steps measured one by one against the prototype (a tapped,
 reused greenlet written by hand, `benchmarks/prototype.py`). Timing them one by one is hopeless
@@ -105,6 +107,19 @@ STEPS = [
     ("interlace.intervention.express", "Express._after_return"),
     ("interlace.intervention.express", "Express._returned"),
     ("interlace.tracing.generators", "read"),
+    # --invokes: the invokes collected by the trace's body, batched, run on the general run
+    ("interlace.intervention.tracer", "_InterleavingBackend.run_invokes"),
+    ("interlace.tracing.tracer", "Tracer.run_body"),
+    ("interlace.intervention.tracer", "_InvokeBackend.__call__"),
+    ("interlace.intervention.tracer", "_InterleavingBackend._interleave"),
+    ("interlace.intervention.routes", "eligible"),
+    ("interlace.intervention.engine", "Engine._build"),
+    ("interlace.models.inputs", "PromptBatcher.batch_invokes"),
+    ("interlace.intervention.interleaver", "Interleaver.add_all"),
+    ("interlace.intervention.interleaver", "Interleaver._setup"),
+    ("interlace.intervention.interleaver", "Interleaver._forward"),
+    ("interlace.intervention.interleaver", "Interleaver.narrowed"),
+    ("interlace.intervention.interleaver", "Interleaver._end"),
 ]
 
 HELPER = r"""
@@ -161,7 +176,7 @@ class _Identity:
         return Net().eval(), torch.zeros(1, 4)
 
 
-def inside(folder, traces, forward="gpt2", footprint=False):
+def inside(folder, traces, forward="gpt2", footprint=False, invokes=0):
     import ctypes
 
     import torch
@@ -229,6 +244,19 @@ def inside(folder, traces, forward="gpt2", footprint=False):
             with model.trace(ids):
                 out = model.transformer.h[0].output.save()
             return out
+
+        if invokes:  # the harness's `invokes` workload: one row each, read as one batch
+            rows = list(torch.randint(0, 1000, (invokes, 1, 16)))
+            ids = torch.cat(rows)
+            lm = interlace.LanguageModel(module)
+
+            def trace():
+                with lm.trace() as tracer:
+                    hs = interlace.save([])
+                    for row in rows:
+                        with tracer.invoke(row):
+                            hs.append(lm.transformer.h[0].output)
+                return hs
 
     whole = wrap("trace, whole", trace)
 
@@ -395,7 +423,7 @@ def cache_options():
     return ["--cache-sim=yes"] + [found.get(name, default) for name, default in defaults.items()]
 
 
-def table(folder, forward="gpt2", cache=False):
+def table(folder, forward="gpt2", cache=False, invokes=0):
     with open(os.path.join(folder, "log.json")) as f:
         data = json.load(f)
     counts = dumps(folder)
@@ -448,8 +476,10 @@ def table(folder, forward="gpt2", cache=False):
         over = own - raw if name == "trace, whole" else None
         rows.append((("  " * depth[name]) + name, calls[name] / traces, own, over))
     shape = "a 2-block identity net (no torch op)" if forward == "identity" else "tiny GPT-2"
-    print(f"per trace (callgrind{', caches simulated' if cache else ''}), {shape}, save block 0's "
-          f"output, {traces} warm traces; one mark costs {per_mark[0]:,.0f} instructions (subtracted)\n")
+    work = (f"{invokes} invokes each saving block 0's output of its row (raw, hooks and prototype: "
+            f"the {invokes}-row batch)" if invokes else "save block 0's output")
+    print(f"per trace (callgrind{', caches simulated' if cache else ''}), {shape}, {work}, "
+          f"{traces} warm traces; one mark costs {per_mark[0]:,.0f} instructions (subtracted)\n")
     columns = ["instructions"] + (["L1 misses", "L2 misses"] if cache else [])
     print("| step | calls per trace | " + " | ".join(columns) + " | over the raw forward |")
     print("|---|---:|" + "---:|" * len(columns) + "---:|")
@@ -485,10 +515,15 @@ def main():
     parser.add_argument("--keep", metavar="DIR",
                         help="keep callgrind's dumps in DIR (for callgrind_annotate: with "
                              "--footprint, cg.out.N is the Nth row's calls, in the table's order)")
+    parser.add_argument("--invokes", type=int, default=0, metavar="N",
+                        help="count a trace of N invokes, each saving block 0's output of its row "
+                             "(the raw forward, plain hooks and the prototype on the N-row batch)")
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.invokes and (args.forward != "gpt2" or args.footprint):
+        parser.error("--invokes counts tiny GPT-2's steps (no --forward identity, no --footprint)")
     if args.inside:
-        inside(args.inside, args.traces, args.forward, args.footprint)
+        inside(args.inside, args.traces, args.forward, args.footprint, args.invokes)
         return
     folder = args.keep or tempfile.mkdtemp(prefix="interlace-steps-")
     os.makedirs(folder, exist_ok=True)
@@ -502,12 +537,13 @@ def main():
                    "--instr-atstart=no", "--collect-atstart=no",
                    f"--callgrind-out-file={os.path.join(folder, 'cg.out')}", sys.executable,
                    os.path.abspath(__file__), "--inside", folder, "--traces", str(args.traces),
-                   "--forward", args.forward, *(["--footprint"] if args.footprint else [])]
+                   "--forward", args.forward, *(["--footprint"] if args.footprint else []),
+                   "--invokes", str(args.invokes)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             print(done.stderr[-3000:])
             sys.exit(done.returncode)
-        table(folder, args.forward, cache)
+        table(folder, args.forward, cache, args.invokes)
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
