@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from interlace import save
 from interlace.models import inputs
 
 PROMPTS = ["hello", "the capital of france is paris and", "a b c"]
@@ -271,3 +272,55 @@ def test_stacked_id_tensors_get_the_inputs_the_same_prompts_as_lists_get(hf_toke
     for key in listed:
         assert torch.equal(stacked[key], listed[key]) and stacked[key].dtype == listed[key].dtype, key
     assert stacked["position_ids"].tolist() == [[0, 1, 2, 3]] * 3
+
+
+_UNPADDED = {"attention_mask": lambda n: [[1] * n], "position_ids": lambda n: [list(range(n))]}
+
+
+def _ones_and_counts(kwargs, n):
+    """Do the model's keywords carry a mask of ones and positions 0..n-1 for one row of n?"""
+    return all(kwargs[name].tolist() == row(n) for name, row in _UNPADDED.items())
+
+
+def test_each_trace_gets_a_mask_of_ones_and_positions_whatever_earlier_traces_did(gpt2_lm, model_dirs):
+    """The mask and positions a trace of token ids gets are ones and 0..n-1, whatever an
+    earlier trace did with its own: kept them (saved `model.inputs`), edited them in place,
+    or ran under inference mode. A pair a user kept is never the one a later trace gets,
+    and the later trace's edit never reaches it. The reference for the logits is the plain
+    model run on the ids."""
+    from transformers import AutoModelForCausalLM
+
+    lm, ids = gpt2_lm, torch.tensor([[5, 6, 7, 8, 9]])
+    plain = AutoModelForCausalLM.from_pretrained(model_dirs["gpt2"]).eval()
+    with torch.no_grad():
+        expected = plain(ids).logits
+    for _ in range(3):  # (warm: the same shape again)
+        with torch.no_grad(), lm.trace(ids):
+            pass
+    kept = {}
+    for name in _UNPADDED:  # a user keeps one of the pair; the next trace edits its own
+        with torch.no_grad(), lm.trace(ids):
+            kept[name] = lm.inputs[1][name].save()
+        with torch.no_grad(), lm.trace(ids):
+            given = lm.inputs[1]
+            given["attention_mask"][:, :2] = 0  # in place: this trace's own pair, and only its
+            given["position_ids"][:, :2] = 7
+            shared = save([given[name] is kept[name]])
+        assert shared == [False] and kept[name].tolist() == _UNPADDED[name](5)
+    for name, value in (("attention_mask", 0), ("position_ids", 7)):  # one edited in place
+        with torch.no_grad(), lm.trace(ids):
+            lm.inputs[1][name][:, :2] = value
+            edited = lm.output.logits.save()
+        assert not torch.allclose(edited, expected, atol=1e-4)  # the edit reached the model
+        with torch.no_grad(), lm.trace(ids):
+            got = lm.inputs.save()
+            logits = lm.output.logits.save()
+        assert _ones_and_counts(got[1], 5)
+        torch.testing.assert_close(logits, expected)
+    for mode in (torch.inference_mode, torch.inference_mode, torch.no_grad):
+        with mode(), lm.trace(ids):
+            got = lm.inputs.save()
+            logits = lm.output.logits.save()
+        assert _ones_and_counts(got[1], 5)
+        torch.testing.assert_close(logits, expected)
+    assert _ones_and_counts(kept, 5)

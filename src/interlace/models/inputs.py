@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections import namedtuple
 from collections.abc import Mapping
 
@@ -250,6 +251,9 @@ def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
 
 _ID_DTYPES = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8))
 _LONG = torch.long
+# `sys.getrefcount` of a kept tensor that only `PromptBatcher._ones` holds: its kept tuple,
+# the local name and the call's own argument
+_KEPT_REFERENCES = 3
 
 
 def _rows_from_ids(ids: torch.Tensor, attention_mask):
@@ -380,6 +384,7 @@ class PromptBatcher(Batcher):
         self._signature = None  # (forward function, named parameters, accepted keywords)
         self._generating = None
         self._embedding_path = None  # names from the module to its input embeddings, once found
+        self._kept_ones = None  # the last mask of ones and its positions, given again (`_ones`)
 
     def for_run(self, run):
         if self.generate or not getattr(run, "generates", False):
@@ -445,12 +450,36 @@ class PromptBatcher(Batcher):
     def _ids_kwargs(self, ids, rest):
         """The model's keywords for `ids` (a batch of unpadded prompts, a new tensor): one mask
         of ones, and positions when the forward takes them."""
-        out = self.model_kwargs({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, rest,
-                                positions=False)
-        if not self.generate and "position_ids" in self.forward_signature()[0]:
-            # `position_ids(mask)` of a mask of ones, in two ops instead of four
-            out["position_ids"] = out["attention_mask"].cumsum(-1).sub_(1)
+        ids = ids.to(self.input_device)
+        mask, positions = self._ones(ids, not self.generate and "position_ids" in self.forward_signature()[0])
+        out = {"input_ids": ids, "attention_mask": mask}
+        out.update(rest)
+        if positions is not None:
+            out["position_ids"] = positions
         return out
+
+    def _ones(self, ids, positions):
+        """A mask of ones shaped like `ids` and, when `positions`, its positions (0, 1, ...
+        per row). Three torch operators a trace, so the last pair is kept and given again
+        while nobody else holds it and neither tensor changed since it was made (its version
+        counter): what a model gets is a fresh pair's values, and a pair a user kept (saved
+        `model.inputs`) or edited is never handed to a later trace."""
+        kept = self._kept_ones
+        if kept is not None:
+            mask, version, kept_positions, positions_version = kept
+            if ((kept_positions is not None) == positions and mask.shape == ids.shape
+                    and mask.device == ids.device and mask.dtype is ids.dtype
+                    and mask._version == version and sys.getrefcount(mask) <= _KEPT_REFERENCES
+                    and (kept_positions is None or (kept_positions._version == positions_version
+                                                    and sys.getrefcount(kept_positions) <= _KEPT_REFERENCES))):
+                return mask, kept_positions
+        self._kept_ones = None
+        mask = torch.ones_like(ids)
+        # `position_ids(mask)` of a mask of ones, in two ops instead of four
+        made = mask.cumsum(-1).sub_(1) if positions else None
+        if not mask.is_inference():  # (an inference tensor has no version counter to check)
+            self._kept_ones = (mask, mask._version, made, made._version if positions else 0)
+        return mask, made
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
 
