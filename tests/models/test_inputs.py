@@ -285,7 +285,7 @@ def _ones_and_counts(kwargs, n):
 def test_each_trace_gets_a_mask_of_ones_and_positions_whatever_earlier_traces_did(gpt2_lm, model_dirs):
     """The mask and positions a trace of token ids gets are ones and 0..n-1, whatever an
     earlier trace did with its own: kept them (saved `model.inputs`), edited them in place,
-    or ran under inference mode. A pair a user kept is never the one a later trace gets,
+    ran on a scan's fake tensors, or ran under inference mode. A pair a user kept is never the one a later trace gets,
     and the later trace's edit never reaches it. The reference for the logits is the plain
     model run on the ids."""
     from transformers import AutoModelForCausalLM
@@ -317,6 +317,15 @@ def test_each_trace_gets_a_mask_of_ones_and_positions_whatever_earlier_traces_di
             logits = lm.output.logits.save()
         assert _ones_and_counts(got[1], 5)
         torch.testing.assert_close(logits, expected)
+    longer = torch.tensor([[5, 6, 7, 8, 9, 10]])  # a shape no trace gave a pair for yet
+    with lm.scan(longer):  # fake tensors: its mask must not reach a real trace
+        pass
+    with torch.no_grad(), lm.trace(longer):
+        got = lm.inputs.save()
+        logits = lm.output.logits.save()
+    assert type(logits) is torch.Tensor and _ones_and_counts(got[1], 6)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, plain(longer).logits)
     for mode in (torch.inference_mode, torch.inference_mode, torch.no_grad):
         with mode(), lm.trace(ids):
             got = lm.inputs.save()

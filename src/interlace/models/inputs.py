@@ -463,9 +463,10 @@ class PromptBatcher(Batcher):
         per row). Three torch operators a trace, so the last pair is kept and given again
         while nobody else holds it and neither tensor changed since it was made (its version
         counter): what a model gets is a fresh pair's values, and a pair a user kept (saved
-        `model.inputs`) or edited is never handed to a later trace."""
+        `model.inputs`) or edited is never handed to a later trace. Only plain tensors are
+        kept and given: a scan's fake ones are neither."""
         kept = self._kept_ones
-        if kept is not None:
+        if kept is not None and type(ids) is torch.Tensor:  # (not a scan's fake ids)
             mask, version, kept_positions, positions_version = kept
             if ((kept_positions is not None) == positions and mask.shape == ids.shape
                     and mask.device == ids.device and mask.dtype is ids.dtype
@@ -477,7 +478,8 @@ class PromptBatcher(Batcher):
         mask = torch.ones_like(ids)
         # `position_ids(mask)` of a mask of ones, in two ops instead of four
         made = mask.cumsum(-1).sub_(1) if positions else None
-        if not mask.is_inference():  # (an inference tensor has no version counter to check)
+        # (a scan's fake tensors are not kept, nor inference tensors: no version counter)
+        if type(mask) is torch.Tensor and not mask.is_inference():
             self._kept_ones = (mask, mask._version, made, made._version if positions else 0)
         return mask, made
 
