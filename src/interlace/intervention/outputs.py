@@ -7,14 +7,16 @@ an `OrderedDict`), `type(value)(**items)` runs the dataclass's `__init__` and it
 (`__post_init__`: the fields looked up, each set twice through Python `__setattr__`): about
 13 us a value on a 2-core VM, paid by every invoke or sweep item that reads `model.output`.
 
-`rebuild` makes the same object directly when the result is known to be the same: a
-`ModelOutput` subclass with the `__init__` `@dataclass` generates (transformers may wrap it to
-rename old keywords) and transformers' own `__post_init__`, `__setattr__` and `__setitem__`,
-whose fields after the first default to None, with new items that are all fields, and
-either a field after the first or a first field that is a tensor (`__post_init__` would read
-a lone first field of another kind as an iterator of items). Then `__post_init__` would only have set each
-non-None field as an item in field order, and `__init__` every field as an attribute (None
-when not given); that is what is set here. Anything else takes the constructor.
+`rebuild` makes the same object directly when the result is known to be the same:
+- the class is a `ModelOutput` subclass with the `__init__` that `@dataclass` generates
+  (transformers may wrap it to rename old keywords) and transformers' own `__post_init__`,
+  `__setattr__` and `__setitem__`, and its fields after the first default to None;
+- the new items are all fields, and either a field after the first is set or the first is
+  a tensor (`__post_init__` reads a lone first field of another kind as an iterator of
+  items).
+Then `__init__` would have set every field as an attribute (None when not given) and
+`__post_init__` each non-None field as an item, in field order: that is what is set here.
+Anything else takes the constructor.
 """
 
 from __future__ import annotations

@@ -251,9 +251,6 @@ def _check_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
 
 _ID_DTYPES = frozenset((torch.long, torch.int32, torch.int16, torch.int8, torch.uint8))
 _LONG = torch.long
-# `sys.getrefcount` of a kept tensor that only `PromptBatcher._ones` holds: its kept tuple,
-# the local name and the call's own argument
-_KEPT_REFERENCES = 3
 
 
 def _rows_from_ids(ids: torch.Tensor, attention_mask):
@@ -467,12 +464,13 @@ class PromptBatcher(Batcher):
         kept and given: a scan's fake ones are neither."""
         kept = self._kept_ones
         if kept is not None and type(ids) is torch.Tensor:  # (not a scan's fake ids)
-            mask, version, kept_positions, positions_version = kept
+            mask, version, kept_positions, positions_version, alone = kept
+            # (`alone`: each tensor's reference count here, with nobody else holding it)
             if ((kept_positions is not None) == positions and mask.shape == ids.shape
                     and mask.device == ids.device and mask.dtype is ids.dtype
-                    and mask._version == version and sys.getrefcount(mask) <= _KEPT_REFERENCES
+                    and mask._version == version and sys.getrefcount(mask) <= alone
                     and (kept_positions is None or (kept_positions._version == positions_version
-                                                    and sys.getrefcount(kept_positions) <= _KEPT_REFERENCES))):
+                                                    and sys.getrefcount(kept_positions) <= alone))):
                 return mask, kept_positions
         self._kept_ones = None
         mask = torch.ones_like(ids)
@@ -480,7 +478,8 @@ class PromptBatcher(Batcher):
         made = mask.cumsum(-1).sub_(1) if positions else None
         # (a scan's fake tensors are not kept, nor inference tensors: no version counter)
         if type(mask) is torch.Tensor and not mask.is_inference():
-            self._kept_ones = (mask, mask._version, made, made._version if positions else 0)
+            kept = self._kept_ones = [mask, mask._version, made, made._version if positions else 0, 0]
+            kept[4] = sys.getrefcount(mask)  # (the list, `mask` and the argument, as above)
         return mask, made
 
     # -- what LanguageModel's public methods of the same names do -------------------------------
