@@ -432,10 +432,12 @@ def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
 
 
 def test_steps_probe_walks_the_invokes_steps_of_a_trace_of_invokes(tmp_path):
-    """`steps.py --invokes N` counts a trace of N invokes: run here without callgrind (its
-    marks are no-ops outside valgrind), its step log has each invoke's collection and the
-    batching of their prompts, once per invoke and once per trace."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    """`steps.py --invokes N` counts a trace of N invokes: its inside run, here without
+    callgrind (its marks are no-ops outside valgrind) and in a process of its own (it wraps
+    interlace's functions for good), logs each invoke's collection and the batching of
+    their prompts, once per invoke and once per trace."""
+    probe = os.path.join(ROOT, "benchmarks", "probes", "steps.py")
+    sys.path.insert(0, os.path.dirname(probe))
     try:
         import steps
     finally:
@@ -443,7 +445,9 @@ def test_steps_probe_walks_the_invokes_steps_of_a_trace_of_invokes(tmp_path):
     library, why = steps.build_helper(str(tmp_path))
     if library is None:
         pytest.skip(f"steps.py's marks helper: {why}")
-    steps.inside(str(tmp_path), 2, invokes=3)
+    done = subprocess.run([sys.executable, probe, "--inside", str(tmp_path), "--traces", "2",
+                           "--invokes", "3"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     calls = {}
     for name, kind, _ in json.loads((tmp_path / "log.json").read_text())["log"]:
         calls[name] = calls.get(name, 0) + (kind == 1)
