@@ -43,11 +43,11 @@ def rebuild(value, items: dict):
         order = names[0]
         new = cls.__new__(cls)
         attributes = new.__dict__
-        others = False  # a field after the first is set: `__post_init__` reads no iterator
         for name in order:  # every field an attribute, as `__init__` sets it
-            item = attributes[name] = items.get(name)
-            others = others or (item is not None and name is not order[0])
-        if others or isinstance(attributes[order[0]], torch.Tensor):
+            attributes[name] = items.get(name)
+        # (a tensor first, or a later field set: `__post_init__` reads no iterator of items)
+        if isinstance(attributes[order[0]], torch.Tensor) or any(
+                attributes[name] is not None for name in order[1:]):
             for name in order:  # the non-None ones items, in field order, as `__post_init__`
                 item = attributes[name]
                 if item is not None:
