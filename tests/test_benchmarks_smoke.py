@@ -431,6 +431,36 @@ def test_steps_probe_reads_cache_misses_from_the_dumps(tmp_path, capsys):
     assert [o.split("=")[0] for o in steps.cache_options()[1:]] == ["--D1", "--I1", "--LL"]
 
 
+def test_lines_probe_splits_two_dumps_lines_by_library_and_function():
+    """`lines.py` reads `callgrind_annotate --show=ILmr,DLmr,DLmw` rows (a count may be "."
+    for none, with or without its percentage) and gives B minus A per call: code lines
+    (ILmr) and data lines (DLmr + DLmw), per library and per function. Annotated text as
+    valgrind 3.19 prints it stands in for a dump."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
+    try:
+        import lines
+    finally:
+        sys.path.pop(0)
+    header = ("-" * 80 + "\nILmr DLmr DLmw  file:function\n" + "-" * 80 + "\n")
+    before = lines.parse(header + (
+        "30 (50.0%)  20 (40.0%)  .  PROGRAM TOTALS\n"
+        "20 (40.0%)  10 (20.0%)  4 (8.0%)  /src/ceval.c:_PyEval_EvalFrameDefault [/lib/libpython3.11.so.1.0]\n"
+        "10 (10.0%)  .           .          ???:at::native::slice(at::Tensor const&) [/lib/libtorch_cpu.so]\n"))
+    after = lines.parse(header + (
+        "1,020 (50.0%)  40 (40.0%)  .  /src/ceval.c:_PyEval_EvalFrameDefault [/lib/libpython3.11.so.1.0]\n"
+        "  100          .           20  /work/csrc/_chotpath.c:__pyx_f_run [/work/src/interlace/_chotpath.so]\n"
+        "    6 (0.1%)   2 (0.1%)    .   object.h:__pyx_f_inlined\n"))
+    assert before[("libpython3.11.so.1.0", "ceval.c:_PyEval_EvalFrameDefault")] == [20, 14]
+    assert ("libpython3.11.so.1.0", "PROGRAM TOTALS") not in before and len(before) == 2
+    assert after[("_chotpath.so", "_chotpath.c:__pyx_f_run")] == [100, 20]
+    assert after[("?", "object.h:__pyx_f_inlined")] == [6, 2]
+    by_library, functions = lines.compare(before, after, calls=2)
+    assert by_library[0] == ("libpython3.11.so.1.0", [500.0, 13.0])  # (1,020 - 20) / 2, (40 - 14) / 2
+    assert dict(by_library)["libtorch_cpu.so"] == [-5.0, 0.0]
+    assert dict(by_library)["_chotpath.so"] == [50.0, 10.0]
+    assert functions[0][2] == ("libpython3.11.so.1.0", "ceval.c:_PyEval_EvalFrameDefault")
+
+
 def test_steps_probe_walks_the_invokes_steps_of_a_trace_of_invokes(tmp_path):
     """`steps.py --invokes N` counts a trace of N invokes: its inside run, here without
     callgrind (its marks are no-ops outside valgrind) and in a process of its own (it wraps
