@@ -129,6 +129,47 @@ def test_each_invoke_reads_the_models_output_as_its_own_output_object(lm, hf_mod
         torch.testing.assert_close(out.logits[0, -n:], ref.logits[0])
 
 
+def _cache_tensors(cache):
+    """The key and value tensors of a model's returned cache, layer by layer: a transformers
+    `Cache` object's (`layers`), or the legacy tuple of (key, value) pairs."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [t for layer in layers for t in (layer.keys, layer.values)]
+    return [t for pair in cache for t in pair]
+
+
+def test_each_invoke_reads_its_own_rows_of_the_models_cache(lm, hf_model):
+    """Every value of `model.output` read in an invoke, the returned cache too, equals the
+    prompt run alone. A legacy tuple cache is tensors and is narrowed like any; a transformers
+    `Cache` object is not yet (docs/batching.md: served whole, the batch's): that case is an
+    expected failure until narrowing learns it, and passes once it does."""
+    from transformers.cache_utils import Cache
+
+    torch.manual_seed(0)
+    rows = [torch.randint(1, 100, (1, 5)) for _ in range(3)]  # one width: no padding
+    outs = []
+    with torch.no_grad():
+        with lm.trace() as tracer:
+            for row in rows:
+                with tracer.invoke(row):
+                    outs.append(lm.output.save())
+    for row, out in zip(rows, outs):
+        with torch.no_grad():
+            ref = hf_model(row)
+        assert list(out.keys()) == list(ref.keys())
+        for key in ref.keys():
+            if isinstance(ref[key], torch.Tensor):
+                torch.testing.assert_close(out[key], ref[key])
+                continue
+            got, want = _cache_tensors(out[key]), _cache_tensors(ref[key])
+            same = len(got) == len(want) and all(
+                g.shape == w.shape and torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+            if not same and isinstance(ref[key], Cache):
+                pytest.xfail("a transformers Cache object in model.output is the batch's, not the "
+                             "invoke's rows (docs/batching.md)")
+            assert same, key
+
+
 def test_invokes_of_token_id_tensors_of_any_width_and_form_equal_each_alone(lm, hf_model, hf_tokenizer):
     """Invokes given tensors of ids (1-D, 2-D, int32), of one width or several, or beside a
     string, are each the prompt alone; none of them changes the user's tensor."""
