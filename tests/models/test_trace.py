@@ -108,17 +108,23 @@ def test_invokes_of_different_lengths(lm, hf_model, hf_tokenizer, arch):
     assert not torch.allclose(logits[1, -n1:], plain, atol=1e-3)
 
 
+def _outputs_of_invokes(lm, prompts):
+    """`model.output` as each invoke of one trace reads it, one invoke per prompt."""
+    outs = []
+    with torch.no_grad():
+        with lm.trace() as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt):
+                    outs.append(lm.output.save())
+    return outs
+
+
 def test_each_invoke_reads_the_models_output_as_its_own_output_object(lm, hf_model, hf_tokenizer, arch):
     """`model.output` read in each invoke is that invoke's rows of the model's output object:
     the same type and keys as the plain model's, its logits equal to the prompt run alone
     (right-aligned: shorter prompts are left-padded), by attribute, key and position."""
     texts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
-    outs = []
-    with torch.no_grad():
-        with lm.trace() as tracer:
-            for text in texts:
-                with tracer.invoke(text):
-                    outs.append(lm.output.save())
+    outs = _outputs_of_invokes(lm, texts)
     for text, out in zip(texts, outs):
         with torch.no_grad():
             ref = hf_model(encode(hf_tokenizer, text))
@@ -147,12 +153,7 @@ def test_each_invoke_reads_its_own_rows_of_the_models_cache(lm, hf_model):
 
     torch.manual_seed(0)
     rows = [torch.randint(1, 100, (1, 5)) for _ in range(3)]  # one width: no padding
-    outs = []
-    with torch.no_grad():
-        with lm.trace() as tracer:
-            for row in rows:
-                with tracer.invoke(row):
-                    outs.append(lm.output.save())
+    outs = _outputs_of_invokes(lm, rows)
     for row, out in zip(rows, outs):
         with torch.no_grad():
             ref = hf_model(row)
