@@ -432,3 +432,18 @@ def test_a_batch_dim_no_value_carries_is_refused():
     with pytest.raises(BatchingError, match="batch_dim=1.*no value"):
         with torch.no_grad(), model.sweep(xs, batch_size=3, progress=False):
             model.lin.output.save()
+
+
+def test_each_sweep_item_reads_its_own_rows_of_the_models_cache(gpt2_model, gpt2):
+    """`sweep.output`'s cache (a transformers `Cache` object) is the item's rows of the
+    batch's: each layer's keys and values equal the model run on that item alone."""
+    xs = [_ids(40 + i, n=5) for i in range(3)]
+    with torch.no_grad(), gpt2_model.sweep(xs, batch_size=3, progress=False) as sweep:
+        keys = sweep.output.cache.layers[1].keys.save()
+        values = sweep.output.cache.layers[0].values.save()
+    assert sweep.chosen_batch_size == 3
+    for i, x in enumerate(xs):
+        with torch.no_grad():
+            alone = gpt2(x).cache
+        assert keys[i].shape == alone.layers[1].keys.shape
+        assert _same(keys[i], alone.layers[1].keys) and _same(values[i], alone.layers[0].values)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections import namedtuple
 
 import torch
@@ -260,9 +261,11 @@ def axis_of(tensor, signature, total, dim):
     return SHARED
 
 
-def map_leaves(value, fn):
+def map_leaves(value, fn, objects=None):
     """`value` with each tensor leaf `t` replaced by `fn(i, t)` (`i` counts leaves in order);
-    tuples, named tuples, lists and dicts (ModelOutputs too) are rebuilt around them."""
+    tuples, named tuples, lists and dicts (ModelOutputs too) are rebuilt around them. Any
+    other object is kept, or replaced by `objects(obj)` when given (a transformers cache's
+    narrowed copy: its tensors are not counted as leaves)."""
     counter = [0]
 
     def walk(v):
@@ -278,9 +281,109 @@ def map_leaves(value, fn):
         if isinstance(v, dict):
             out = {k: walk(x) for k, x in v.items()}
             return out if type(v) is dict else rebuild(v, out)
-        return v
+        return v if objects is None else objects(v)
 
     return walk(value)
+
+
+# -- a transformers cache object (`Cache`): its tensors, narrowed --------------------------
+
+_CACHES = None  # transformers' `Cache` class, once transformers is loaded
+
+
+def _cache_class():
+    global _CACHES
+    if _CACHES is None:
+        module = sys.modules.get("transformers.cache_utils")
+        if module is None:  # not loaded: no value can be one of its caches
+            return None
+        _CACHES = getattr(module, "Cache", None) or ()
+    return _CACHES or None
+
+
+def is_cache(value):
+    """True for a transformers `Cache` object (a model's returned key/value cache)."""
+    cls = _cache_class()
+    return cls is not None and isinstance(value, cls)
+
+
+def _holds_cache_state(value):
+    """A cache's own part (a layer object, a nested cache) that `_narrow_cache` copies: an
+    object of a transformers class with a `__dict__`."""
+    return getattr(type(value), "__module__", "").startswith("transformers") and hasattr(
+        value, "__dict__")
+
+
+def _narrow_cache(cache, rows, total, mark):
+    """A shallow copy of `cache` (a transformers `Cache`) holding `rows` of each of its
+    tensors: its layers (and nested caches) copied, every tensor of two dims or more whose
+    first dim is the batch total narrowed to `rows` (a view: transformers' caches are
+    batch-first), anything else shared. The copy remembers where each view came from
+    (`_ORIGIN`: the batch's cache, and per copied object its original and the views handed
+    out), so that `swap` knows an unchanged copy from an edited one."""
+    copies = {}  # id(original) -> its copy (an object held twice is copied once)
+    handed = []  # (copy, original, {attribute: view})
+
+    def copy_of(obj):
+        done = copies.get(id(obj))
+        if done is not None:
+            return done
+        new = copies[id(obj)] = object.__new__(type(obj))
+        views = {}
+        state = {}
+        for name, item in obj.__dict__.items():
+            if isinstance(item, torch.Tensor):
+                if item.dim() > 1 and item.shape[0] == total:
+                    item = views[name] = _narrow_leaf(item, 0, rows, mark)
+            else:
+                item = walk(item)
+            state[name] = item
+        new.__dict__.update(state)
+        handed.append((new, obj, views))
+        return new
+
+    def walk(item):
+        if isinstance(item, list):
+            return [walk(x) for x in item]
+        if isinstance(item, tuple) and not hasattr(item, "_fields"):
+            return tuple(walk(x) for x in item)
+        if _holds_cache_state(item):
+            return copy_of(item)
+        return item
+
+    out = copy_of(cache)
+    out.__dict__[_ORIGIN] = (cache, handed)
+    return out
+
+
+def _swap_cache(full, part, rows, total):
+    """`swap` for a transformers cache: `full`, the batch's, with `part` as the invoke's
+    rows. `part` is the copy that `narrow` handed out (edits of its views in place have
+    reached `full` already): a tensor the body replaced in it has its rows written into
+    `full`'s (the cache is the model's, which keeps updating it, so `full` itself is kept and
+    returned). Another cache object can stand in for the whole batch only."""
+    source = part.__dict__.get(_ORIGIN) if isinstance(getattr(part, "__dict__", None), dict) else None
+    if source is None or source[0] is not full:
+        if rows.start == 0 and rows.stop == total:
+            return part
+        raise BatchingError(
+            f"cannot assign a {type(part).__name__} of its own as the rows {rows.start}:"
+            f"{rows.stop} of the batch's cache; edit the cache that the item read (its "
+            f"tensors are the item's rows), or run that item in a trace of its own"
+        )
+    for copy, original, views in source[1]:
+        for name, view in views.items():
+            now = copy.__dict__.get(name)
+            if now is view:
+                continue
+            batch = original.__dict__.get(name)
+            if not (isinstance(batch, torch.Tensor) and batch.dim() > 1
+                    and batch.shape[0] == total):
+                raise BatchingError(
+                    f"cannot write an item's {name!r} into the batch's cache: it no longer "
+                    f"has one row per item; run that item in a trace of its own")
+            original.__dict__[name] = swap(batch, now, rows, total)
+    return full
 
 
 def leaf(value, index):
@@ -358,7 +461,10 @@ def narrow(value, rows, total, layout=None, dim=0, shared=None, axes=None, key=N
                                  f"batch dimension, but computed from every item)")
         return _narrow_leaf(tensor, axis, rows, mark)
 
-    return map_leaves(value, part)
+    def cache(obj):
+        return _narrow_cache(obj, rows, total, mark) if is_cache(obj) else obj
+
+    return map_leaves(value, part, cache)
 
 
 def origin(tensor):
@@ -430,6 +536,8 @@ def swap(full, part, rows, total, layout=None, dim=0, expanded=None):
         if isinstance(f, dict) and isinstance(p, dict):
             out = {k: walk(f[k], v) if k in f else v for k, v in p.items()}
             return out if type(f) is dict else rebuild(f, out)
+        if p is not f and is_cache(f) and is_cache(p):
+            return _swap_cache(f, p, rows, total)
         return p
 
     return walk(full, part)
