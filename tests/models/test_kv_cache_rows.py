@@ -112,3 +112,28 @@ def test_a_single_trace_serves_the_models_own_cache(lm, hf_tokenizer):
         out = lm.output.save()
         result = tracer.result.save()
     assert out.cache is result.cache
+
+
+def test_each_invokes_generate_result_holds_its_own_cache_rows(lm, hf_model):
+    """`tracer.result` read in an invoke of a generation that returns a dict (the sequences,
+    the scores, the cache): every part is that prompt's, generated alone."""
+    n = 3
+    prompts = _rows(2, seed=5)
+    got = []
+    with torch.no_grad(), lm.generate(max_new_tokens=n, return_dict_in_generate=True,
+                                      output_scores=True, **GREEDY) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                got.append(tracer.result.save())
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            alone = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                      max_new_tokens=n, pad_token_id=0,
+                                      return_dict_in_generate=True, output_scores=True, **GREEDY)
+        assert out.sequences.tolist() == alone.sequences.tolist()
+        for a, b in zip(out.scores, alone.scores):
+            torch.testing.assert_close(a, b)
+        cache, want = out.past_key_values, alone.past_key_values
+        assert type(cache) is type(want)
+        for a, b in zip(_cache_tensors(cache), _cache_tensors(want)):
+            torch.testing.assert_close(a, b)
