@@ -97,7 +97,7 @@ def test_assigning_a_cache_of_its_own_as_an_invokes_rows_is_refused(lm, hf_model
     other = _rows(1, seed=3)[0]
     with torch.no_grad():
         foreign = hf_model(other).cache
-    with pytest.raises(interlace.BatchingError, match="cannot assign a DynamicCache of its own"):
+    with pytest.raises(interlace.BatchingError, match="cannot assign a DynamicCache other than the one the item read"):
         with torch.no_grad(), lm.trace() as tracer:
             for prompt in _rows(2, seed=4):
                 with tracer.invoke(prompt):
@@ -136,4 +136,30 @@ def test_each_invokes_generate_result_holds_its_own_cache_rows(lm, hf_model):
         cache, want = out.past_key_values, alone.past_key_values
         assert type(cache) is type(want)
         for a, b in zip(_cache_tensors(cache), _cache_tensors(want)):
+            torch.testing.assert_close(a, b)
+
+
+def test_an_invokes_cache_is_of_the_models_class_and_works_as_one(lm, hf_model):
+    """The item's cache is of the model's cache class, its methods answer for its rows, and
+    it survives a deep copy and a pickle round trip with the same tensors."""
+    import copy
+    import pickle
+
+    prompts = _rows(2, width=6, seed=6)
+    outs = []
+    with torch.no_grad(), lm.trace() as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                outs.append(lm.output.save())
+    with torch.no_grad():
+        want = _cache_tensors(hf_model(prompts[1]).cache)
+    cache = outs[1].cache
+    assert type(cache) is type(hf_model(prompts[1]).cache)
+    assert cache.get_seq_length() == 6 and len(cache.layers) == 2
+    assert [type(layer) for layer in cache.layers] == [type(layer) for layer in
+                                                       hf_model(prompts[1]).cache.layers]
+    for other in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        got = _cache_tensors(other)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
             torch.testing.assert_close(a, b)

@@ -15,7 +15,10 @@ tokenizes and pads; see `engine.Engine`):
 value carries the batch, or carries it at dim 0: `axis_of` finds each tensor's batch axis
 from what a probe run of one item alone saw (`probe.py`): a value the whole batch shares is
 served whole (an item that edits it gets its own copy: `expand`), a value reduced over the
-batch raises `RunAlone` (the engine then runs the items alone). docs/batching.md is the rule.
+batch raises `RunAlone` (the engine then runs the items alone). A transformers `Cache` (a
+model's returned key/value cache) is not a tuple of tensors but an object: an item gets a copy
+of it holding its rows (`_narrow_cache`), and handing that copy back keeps the model's own
+(`_swap_cache`). docs/batching.md is the rule.
 """
 
 from __future__ import annotations
@@ -308,82 +311,151 @@ def is_cache(value):
 
 
 def _holds_cache_state(value):
-    """A cache's own part (a layer object, a nested cache) that `_narrow_cache` copies: an
+    """A cache's own part (a layer object, a nested cache) that is copied with its rows: an
     object of a transformers class with a `__dict__`."""
     return getattr(type(value), "__module__", "").startswith("transformers") and hasattr(
         value, "__dict__")
 
 
 def _narrow_cache(cache, rows, total, mark):
-    """A shallow copy of `cache` (a transformers `Cache`) holding `rows` of each of its
-    tensors: its layers (and nested caches) copied, every tensor of two dims or more whose
-    first dim is the batch total narrowed to `rows` (a view: transformers' caches are
-    batch-first), anything else shared. The copy remembers where each view came from
-    (`_ORIGIN`: the batch's cache, and per copied object its original and the views handed
-    out), so that `swap` knows an unchanged copy from an edited one."""
-    copies = {}  # id(original) -> its copy (an object held twice is copied once)
-    handed = []  # (copy, original, {attribute: view})
+    """A shallow copy of `cache` (a transformers `Cache`, of its own class) holding `rows` of
+    each of its layers' tensors: every tensor of two dims or more whose first dim is the batch
+    total narrowed to `rows` (a view: transformers' caches are batch-first), anything else
+    shared.
 
-    def copy_of(obj):
-        done = copies.get(id(obj))
-        if done is not None:
-            return done
-        new = copies[id(obj)] = object.__new__(type(obj))
-        views = {}
-        state = {}
-        for name, item in obj.__dict__.items():
-            if isinstance(item, torch.Tensor):
-                if item.dim() > 1 and item.shape[0] == total:
-                    item = views[name] = _narrow_leaf(item, 0, rows, mark)
-            else:
-                item = walk(item)
-            state[name] = item
-        new.__dict__.update(state)
-        handed.append((new, obj, views))
-        return new
-
-    def walk(item):
-        if isinstance(item, list):
-            return [walk(x) for x in item]
-        if isinstance(item, tuple) and not hasattr(item, "_fields"):
-            return tuple(walk(x) for x in item)
-        if _holds_cache_state(item):
-            return copy_of(item)
-        return item
-
-    out = copy_of(cache)
-    out.__dict__[_ORIGIN] = (cache, handed)
+    Its list of layers is a `_LayerRows`, which copies the layers and narrows their tensors
+    when first used: reading `model.output` must not pay two views per layer when the body
+    reads only the logits. (A lone trace's cache is the model's own, live object; this one is
+    the item's rows of it as of that first use.)"""
+    out = object.__new__(type(cache))
+    state = dict(cache.__dict__)
+    for name, item in state.items():
+        if type(item) is list and item and _holds_cache_state(item[0]):
+            state[name] = _LayerRows(item, rows, total, mark)
+        elif is_cache(item):  # (an encoder-decoder cache's two)
+            state[name] = _narrow_cache(item, rows, total, mark)
+    out.__dict__.update(state)
     return out
 
 
+class _LayerRows(list):
+    """A cache's layers (`source`) as one item's rows, copied when first used (any list
+    operation): each layer a shallow copy whose batch-first tensors are views of the item's
+    rows. `handed` then lists `(copy, original layer, {attribute: view})` for `swap`. Pickled
+    or copied, it is a plain list of those layers."""
+
+    __slots__ = ("source", "pending", "handed")
+
+    def __init__(self, source, rows, total, mark):
+        super().__init__()
+        self.source = source
+        self.pending = (rows, total, mark)
+        self.handed = []
+
+    def _fill(self):
+        rows, total, mark = self.pending
+        self.pending = None
+        copies = {}  # id(layer) -> its copy (a layer listed twice is copied once)
+        filled = []
+        for layer in self.source:
+            new = copies.get(id(layer))
+            if new is None:
+                new = copies[id(layer)] = object.__new__(type(layer))
+                state, views = dict(layer.__dict__), {}
+                for name, item in state.items():
+                    if (isinstance(item, torch.Tensor) and item.dim() > 1
+                            and item.shape[0] == total):
+                        state[name] = views[name] = _narrow_leaf(item, 0, rows, mark)
+                new.__dict__.update(state)
+                self.handed.append((new, layer, views))
+            filled.append(new)
+        list.extend(self, filled)
+
+    def __reduce_ex__(self, protocol):
+        if self.pending is not None:
+            self._fill()
+        return list, (list(list.__iter__(self)),)
+
+
+def _filling(name):
+    method = getattr(list, name)
+
+    def filled_first(self, *args, **kwargs):
+        if self.pending is not None:
+            self._fill()
+        return method(self, *args, **kwargs)
+
+    filled_first.__name__ = name
+    return filled_first
+
+
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__iter__", "__reversed__",
+              "__len__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+              "__ge__", "__add__", "__iadd__", "__mul__", "__rmul__", "__imul__", "__repr__",
+              "append", "extend", "insert", "pop", "remove", "clear", "copy", "count",
+              "index", "reverse", "sort"):
+    setattr(_LayerRows, _name, _filling(_name))
+_LayerRows.__hash__ = None
+
+
 def _swap_cache(full, part, rows, total):
-    """`swap` for a transformers cache: `full`, the batch's, with `part` as the invoke's
-    rows. `part` is the copy that `narrow` handed out (edits of its views in place have
-    reached `full` already): a tensor the body replaced in it has its rows written into
-    `full`'s (the cache is the model's, which keeps updating it, so `full` itself is kept and
-    returned). Another cache object can stand in for the whole batch only."""
-    source = part.__dict__.get(_ORIGIN) if isinstance(getattr(part, "__dict__", None), dict) else None
-    if source is None or source[0] is not full:
+    """`swap` for a transformers cache: `full`, the batch's, with `part` as the item's rows.
+
+    `part` is the copy that `narrow` handed out (edits of its views in place have reached
+    `full` already): a tensor the body replaced in one of its layers has its rows written into
+    `full`'s, and `full` itself is returned (the cache is the model's, which goes on updating
+    it). Another cache object can stand in for the whole batch only."""
+    if not _copied_from(part, full):
         if rows.start == 0 and rows.stop == total:
             return part
         raise BatchingError(
-            f"cannot assign a {type(part).__name__} of its own as the rows {rows.start}:"
-            f"{rows.stop} of the batch's cache; edit the cache that the item read (its "
-            f"tensors are the item's rows), or run that item in a trace of its own"
+            f"cannot assign a {type(part).__name__} other than the one the item read as the "
+            f"rows {rows.start}:{rows.stop} of the batch's cache; edit the cache the item "
+            f"read (its tensors are the item's rows), or run that item in a trace of its own"
         )
-    for copy, original, views in source[1]:
-        for name, view in views.items():
-            now = copy.__dict__.get(name)
-            if now is view:
-                continue
-            batch = original.__dict__.get(name)
-            if not (isinstance(batch, torch.Tensor) and batch.dim() > 1
-                    and batch.shape[0] == total):
-                raise BatchingError(
-                    f"cannot write an item's {name!r} into the batch's cache: it no longer "
-                    f"has one row per item; run that item in a trace of its own")
-            original.__dict__[name] = swap(batch, now, rows, total)
+    _write_back(part, full, rows, total)
     return full
+
+
+def _copied_from(part, full):
+    """True when `part` is `_narrow_cache`'s copy of `full` (the body may have replaced
+    tensors in its layers, not the layers' list)."""
+    mine, batch = part.__dict__, full.__dict__
+    if mine.keys() != batch.keys():
+        return False
+    for name, item in mine.items():
+        was = batch[name]
+        if item is was:
+            continue
+        if type(item) is _LayerRows:
+            if item.source is not was:
+                return False
+        elif not (is_cache(item) and is_cache(was) and _copied_from(item, was)):
+            return False
+    return True
+
+
+def _write_back(part, full, rows, total):
+    for name, item in part.__dict__.items():
+        if type(item) is _LayerRows:
+            for copy, original, views in item.handed:
+                _write_rows(copy, original, views, rows, total)
+        elif is_cache(item) and item is not full.__dict__[name]:
+            _write_back(item, full.__dict__[name], rows, total)
+
+
+def _write_rows(copy, original, views, rows, total):
+    """Each tensor of `views` that the body replaced in `copy` goes into `original`'s rows."""
+    for name, view in views.items():
+        now = copy.__dict__.get(name)
+        if now is view:
+            continue
+        batch = original.__dict__.get(name)
+        if not (isinstance(batch, torch.Tensor) and batch.dim() > 1 and batch.shape[0] == total):
+            raise BatchingError(
+                f"cannot write an item's {name!r} into the batch's cache: it no longer "
+                f"has one row per item; run that item in a trace of its own")
+        original.__dict__[name] = swap(batch, now, rows, total)
 
 
 def leaf(value, index):
