@@ -82,7 +82,7 @@ def test_another_cache_stands_in_for_the_whole_batch_only():
 def test_a_layer_listed_twice_is_copied_once_and_other_fields_are_shared():
     cache = _filled(layers=1)
     cache.layers.append(cache.layers[0])  # (a cache whose layers share one object)
-    cache.notes = ["kept"]  # a field that is not layers: shared as it is
+    cache.notes = {"kept": 1}  # a field that is not a list, a tensor or a cache: shared
     part = narrow(cache, ROWS, TOTAL)
     assert part.layers[0] is part.layers[1] and part.layers[0] is not cache.layers[0]
     assert part.notes is cache.notes
@@ -111,3 +111,42 @@ def test_a_copy_deep_copies_and_pickles_as_a_plain_cache_of_its_rows():
         assert type(other.layers) is list
         for a, b in zip(_tensors(other), _tensors(cache)):
             assert a.shape[0] == 2 and torch.equal(a, b[ROWS])
+
+
+def test_lists_of_tensors_in_a_cache_are_narrowed_and_written_back():
+    """Older transformers kept a cache's keys and values as lists of tensors: those are the
+    item's rows too, and a tensor replaced in such a list goes into the batch's rows."""
+    g = torch.Generator().manual_seed(5)
+    cache = cache_utils.DynamicCache()
+    cache.key_cache = [torch.randn(TOTAL, 2, 5, 3, generator=g) for _ in range(2)]
+    cache.value_cache = [torch.randn(TOTAL, 2, 5, 3, generator=g) for _ in range(2)]
+    cache.names = ["a", "b"]  # a list of anything else: kept as it is
+    before = [t.clone() for t in cache.value_cache]
+    part = narrow(cache, ROWS, TOTAL)
+    for mine, whole in zip(part.key_cache, cache.key_cache):
+        assert torch.equal(mine, whole[ROWS])
+    assert part.names == ["a", "b"]
+    part.value_cache[0] = torch.zeros(2, 2, 5, 3)
+    assert swap(cache, part, ROWS, TOTAL) is cache
+    assert torch.equal(cache.value_cache[0][ROWS], torch.zeros(2, 2, 5, 3))
+    assert torch.equal(cache.value_cache[0][:1], before[0][:1])
+    assert torch.equal(cache.value_cache[1], before[1])
+
+
+def test_layers_added_after_the_read_are_the_items_rows_when_first_used():
+    """A cache whose layers the model adds as it runs: read before they exist, the copy
+    holds the item's rows of the layers there when it is first used."""
+    cache = cache_utils.DynamicCache()  # (no config: layers are added by `update`)
+    part = narrow(cache, ROWS, TOTAL)
+    g = torch.Generator().manual_seed(6)
+    cache.update(torch.randn(TOTAL, 2, 5, 3, generator=g), torch.randn(TOTAL, 2, 5, 3, generator=g), 0)
+    assert len(part.layers) == 1
+    assert torch.equal(part.layers[0].keys, cache.layers[0].keys[ROWS])
+
+
+def test_an_item_that_adds_layers_to_its_copy_cannot_hand_it_back():
+    cache = _filled()
+    part = narrow(cache, ROWS, TOTAL)
+    part.layers.append(part.layers[0])
+    with pytest.raises(BatchingError, match="added or removed layers"):
+        swap(cache, part, ROWS, TOTAL)

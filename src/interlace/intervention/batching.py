@@ -323,53 +323,76 @@ def _narrow_cache(cache, rows, total, mark):
     total narrowed to `rows` (a view: transformers' caches are batch-first), anything else
     shared.
 
-    Its list of layers is a `_LayerRows`, which copies the layers and narrows their tensors
-    when first used: reading `model.output` must not pay two views per layer when the body
-    reads only the logits. (A lone trace's cache is the model's own, live object; this one is
-    the item's rows of it as of that first use.)"""
+    Each list it holds (its layers; older transformers kept lists of key and value tensors)
+    becomes a `_Rows` list, which copies and narrows its items when first used: reading
+    `model.output` must not pay two views per layer when the body reads only the logits. (A
+    lone trace's cache is the model's own, live object; this one is the item's rows of it as
+    of that first use.)"""
     out = object.__new__(type(cache))
     state = dict(cache.__dict__)
     for name, item in state.items():
-        if type(item) is list and item and _holds_cache_state(item[0]):
-            state[name] = _LayerRows(item, rows, total, mark)
+        if type(item) is list:
+            state[name] = _Rows(item, rows, total, mark)
         elif is_cache(item):  # (an encoder-decoder cache's two)
             state[name] = _narrow_cache(item, rows, total, mark)
     out.__dict__.update(state)
     return out
 
 
-class _LayerRows(list):
-    """A cache's layers (`source`) as one item's rows, copied when first used (any list
-    operation): each layer a shallow copy whose batch-first tensors are views of the item's
-    rows. `handed` then lists `(copy, original layer, {attribute: view})` for `swap`. Pickled
-    or copied, it is a plain list of those layers."""
+def _batch_first(item, total):
+    return isinstance(item, torch.Tensor) and item.dim() > 1 and item.shape[0] == total
 
-    __slots__ = ("source", "pending", "handed")
+
+class _Rows(list):
+    """A list that a cache holds (`source`) as one item's rows, filled when first used (any
+    list operation): a layer becomes a shallow copy whose batch-first tensors are views of
+    the item's rows, a batch-first tensor such a view, anything else is kept. For `swap`,
+    `handed` then lists `(copy, original layer, {attribute: view})` and `views` maps an index
+    to the view put there. Pickled or copied, it is a plain list."""
+
+    __slots__ = ("source", "pending", "handed", "views")
 
     def __init__(self, source, rows, total, mark):
         super().__init__()
         self.source = source
         self.pending = (rows, total, mark)
         self.handed = []
+        self.views = {}
 
     def _fill(self):
         rows, total, mark = self.pending
         self.pending = None
         copies = {}  # id(layer) -> its copy (a layer listed twice is copied once)
         filled = []
-        for layer in self.source:
-            new = copies.get(id(layer))
-            if new is None:
-                new = copies[id(layer)] = object.__new__(type(layer))
-                state, views = dict(layer.__dict__), {}
-                for name, item in state.items():
-                    if (isinstance(item, torch.Tensor) and item.dim() > 1
-                            and item.shape[0] == total):
-                        state[name] = views[name] = _narrow_leaf(item, 0, rows, mark)
-                new.__dict__.update(state)
-                self.handed.append((new, layer, views))
-            filled.append(new)
+        for i, item in enumerate(self.source):
+            if _holds_cache_state(item):
+                new = copies.get(id(item))
+                if new is None:
+                    new = copies[id(item)] = object.__new__(type(item))
+                    state, views = dict(item.__dict__), {}
+                    for name, value in state.items():
+                        if _batch_first(value, total):
+                            state[name] = views[name] = _narrow_leaf(value, 0, rows, mark)
+                    new.__dict__.update(state)
+                    self.handed.append((new, item, views))
+                item = new
+            elif _batch_first(item, total):
+                item = self.views[i] = _narrow_leaf(item, 0, rows, mark)
+            filled.append(item)
         list.extend(self, filled)
+
+    def write_back(self, rows, total):
+        """What the body replaced in this filled list goes into the batch's rows."""
+        if self.pending is not None:
+            return  # never used: nothing replaced
+        source = self.source
+        if list.__len__(self) != len(source):
+            raise BatchingError(
+                "cannot write an item's cache back into the batch's: the item added or removed "
+                "layers; run that item in a trace of its own")
+        for copy, original, views in self.handed:
+            _write_rows(copy.__dict__, original.__dict__, views, rows, total)
+        _write_rows(dict(enumerate(self)), source, self.views, rows, total)
 
     def __reduce_ex__(self, protocol):
         if self.pending is not None:
@@ -394,17 +417,16 @@ for _name in ("__getitem__", "__setitem__", "__delitem__", "__iter__", "__revers
               "__ge__", "__add__", "__iadd__", "__mul__", "__rmul__", "__imul__", "__repr__",
               "append", "extend", "insert", "pop", "remove", "clear", "copy", "count",
               "index", "reverse", "sort"):
-    setattr(_LayerRows, _name, _filling(_name))
-_LayerRows.__hash__ = None
+    setattr(_Rows, _name, _filling(_name))
 
 
 def _swap_cache(full, part, rows, total):
     """`swap` for a transformers cache: `full`, the batch's, with `part` as the item's rows.
 
     `part` is the copy that `narrow` handed out (edits of its views in place have reached
-    `full` already): a tensor the body replaced in one of its layers has its rows written into
-    `full`'s, and `full` itself is returned (the cache is the model's, which goes on updating
-    it). Another cache object can stand in for the whole batch only."""
+    `full` already): a tensor the body replaced in it has its rows written into `full`'s,
+    and `full` itself is returned (the cache is the model's, which goes on updating it).
+    Another cache object can stand in for the whole batch only."""
     if not _copied_from(part, full):
         if rows.start == 0 and rows.stop == total:
             return part
@@ -419,7 +441,7 @@ def _swap_cache(full, part, rows, total):
 
 def _copied_from(part, full):
     """True when `part` is `_narrow_cache`'s copy of `full` (the body may have replaced
-    tensors in its layers, not the layers' list)."""
+    tensors in its lists and layers, not the lists themselves)."""
     mine, batch = part.__dict__, full.__dict__
     if mine.keys() != batch.keys():
         return False
@@ -427,7 +449,7 @@ def _copied_from(part, full):
         was = batch[name]
         if item is was:
             continue
-        if type(item) is _LayerRows:
+        if type(item) is _Rows:
             if item.source is not was:
                 return False
         elif not (is_cache(item) and is_cache(was) and _copied_from(item, was)):
@@ -437,25 +459,26 @@ def _copied_from(part, full):
 
 def _write_back(part, full, rows, total):
     for name, item in part.__dict__.items():
-        if type(item) is _LayerRows:
-            for copy, original, views in item.handed:
-                _write_rows(copy, original, views, rows, total)
+        if type(item) is _Rows:
+            item.write_back(rows, total)
         elif is_cache(item) and item is not full.__dict__[name]:
             _write_back(item, full.__dict__[name], rows, total)
 
 
-def _write_rows(copy, original, views, rows, total):
-    """Each tensor of `views` that the body replaced in `copy` goes into `original`'s rows."""
-    for name, view in views.items():
-        now = copy.__dict__.get(name)
-        if now is view:
+def _write_rows(now, batch, views, rows, total):
+    """Each tensor of `views` ({key: the view handed out}) that the body replaced in `now`
+    (a mapping: a copy's fields, a list's items by index) goes into the rows of `batch`'s
+    (the same keys: the original's fields, or the batch's list)."""
+    for key, view in views.items():
+        value = now.get(key)
+        if value is view:
             continue
-        batch = original.__dict__.get(name)
-        if not (isinstance(batch, torch.Tensor) and batch.dim() > 1 and batch.shape[0] == total):
+        whole = batch[key]
+        if not _batch_first(whole, total):
             raise BatchingError(
-                f"cannot write an item's {name!r} into the batch's cache: it no longer "
-                f"has one row per item; run that item in a trace of its own")
-        original.__dict__[name] = swap(batch, now, rows, total)
+                f"cannot write an item's {key!r} into the batch's cache: it no longer has one "
+                f"row per item; run that item in a trace of its own")
+        batch[key] = swap(whole, value, rows, total)
 
 
 def leaf(value, index):
