@@ -150,3 +150,16 @@ def test_an_item_that_adds_layers_to_its_copy_cannot_hand_it_back():
     part.layers.append(part.layers[0])
     with pytest.raises(BatchingError, match="added or removed layers"):
         swap(cache, part, ROWS, TOTAL)
+
+
+def test_a_layers_tensors_without_a_batch_axis_are_the_batchs_own():
+    """A layer's tensors that do not carry the batch (a count kept as a 0-dim tensor, a
+    buffer with one row) are shared as they are, the same objects as in the batch's cache."""
+    cache = _filled(layers=1)
+    cache.layers[0].count = torch.tensor(5)
+    cache.layers[0].table = torch.randn(1, 3)
+    part = narrow(cache, ROWS, TOTAL)
+    layer = part.layers[0]
+    assert layer.count is cache.layers[0].count and layer.table is cache.layers[0].table
+    assert torch.equal(layer.keys, cache.layers[0].keys[ROWS])
+    assert swap(cache, part, ROWS, TOTAL) is cache

@@ -120,6 +120,15 @@ def layers(model, arch):
     return model.transformer.h if arch == "gpt2" else model.model.layers
 
 
+def cache_tensors(cache):
+    """The key and value tensors of a model's returned cache, layer by layer: a transformers
+    `Cache` object's (`layers`), or the legacy tuple of (key, value) pairs."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [t for layer in layers for t in (layer.keys, layer.values)]
+    return [t for pair in cache for t in pair]
+
+
 def encode(tokenizer, text):
     return torch.tensor([tokenizer(text)["input_ids"]])
 

@@ -8,15 +8,11 @@ own `generate` on the same weights.
 import pytest
 import torch
 
-from conftest import encode, layers
+from conftest import cache_tensors, encode, layers
 
 import interlace
 
 GREEDY = {"do_sample": False}
-
-
-def _cache_tensors(cache):
-    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
 def _the_cache(args, kwargs):
@@ -46,7 +42,7 @@ def test_an_invoke_reads_the_batch_cache_in_model_inputs_as_its_rows(lm, arch):
                     seen.append(interlace.save(_the_cache(args, kwargs)))
     assert len(seen) == 2
     for cache in seen:
-        keys = [t for t in _cache_tensors(cache) if t is not None]
+        keys = [t for t in cache_tensors(cache) if t is not None]
         assert keys and all(t.shape[0] == 1 for t in keys)
 
 
@@ -135,7 +131,7 @@ def test_each_invokes_generate_result_holds_its_own_cache_rows(lm, hf_model):
             torch.testing.assert_close(a, b)
         cache, want = out.past_key_values, alone.past_key_values
         assert type(cache) is type(want)
-        for a, b in zip(_cache_tensors(cache), _cache_tensors(want)):
+        for a, b in zip(cache_tensors(cache), cache_tensors(want)):
             torch.testing.assert_close(a, b)
 
 
@@ -152,14 +148,14 @@ def test_an_invokes_cache_is_of_the_models_class_and_works_as_one(lm, hf_model):
             with tracer.invoke(prompt):
                 outs.append(lm.output.save())
     with torch.no_grad():
-        want = _cache_tensors(hf_model(prompts[1]).cache)
+        want = cache_tensors(hf_model(prompts[1]).cache)
     cache = outs[1].cache
     assert type(cache) is type(hf_model(prompts[1]).cache)
     assert cache.get_seq_length() == 6 and len(cache.layers) == 2
     assert [type(layer) for layer in cache.layers] == [type(layer) for layer in
                                                        hf_model(prompts[1]).cache.layers]
     for other in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
-        got = _cache_tensors(other)
+        got = cache_tensors(other)
         assert len(got) == len(want)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)

@@ -6,7 +6,7 @@ References: the plain transformers model with plain forward hooks, each prompt r
 import pytest
 import torch
 
-from conftest import encode, layers
+from conftest import cache_tensors, encode, layers
 
 PROMPTS = ["hello", "the capital of france is paris and", "a b c"]
 
@@ -135,15 +135,6 @@ def test_each_invoke_reads_the_models_output_as_its_own_output_object(lm, hf_mod
         torch.testing.assert_close(out.logits[0, -n:], ref.logits[0])
 
 
-def _cache_tensors(cache):
-    """The key and value tensors of a model's returned cache, layer by layer: a transformers
-    `Cache` object's (`layers`), or the legacy tuple of (key, value) pairs."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return [t for layer in layers for t in (layer.keys, layer.values)]
-    return [t for pair in cache for t in pair]
-
-
 def test_each_invoke_reads_its_own_rows_of_the_models_cache(lm, hf_model):
     """Every value of `model.output` read in an invoke, the returned cache too (a transformers
     `Cache` object or a legacy tuple), equals the prompt run alone."""
@@ -158,7 +149,7 @@ def test_each_invoke_reads_its_own_rows_of_the_models_cache(lm, hf_model):
             if isinstance(ref[key], torch.Tensor):
                 torch.testing.assert_close(out[key], ref[key])
                 continue
-            got, want = _cache_tensors(out[key]), _cache_tensors(ref[key])
+            got, want = cache_tensors(out[key]), cache_tensors(ref[key])
             assert type(out[key]) is type(ref[key]) and len(got) == len(want), key
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, msg=key)

@@ -291,22 +291,10 @@ def map_leaves(value, fn, objects=None):
 
 # -- a transformers cache object (`Cache`): its tensors, narrowed --------------------------
 
-_CACHES = None  # transformers' `Cache` class, once transformers is loaded
-
-
-def _cache_class():
-    global _CACHES
-    if _CACHES is None:
-        module = sys.modules.get("transformers.cache_utils")
-        if module is None:  # not loaded: no value can be one of its caches
-            return None
-        _CACHES = getattr(module, "Cache", None) or ()
-    return _CACHES or None
-
-
 def is_cache(value):
-    """True for a transformers `Cache` object (a model's returned key/value cache)."""
-    cls = _cache_class()
+    """True for a transformers `Cache` object (a model's returned key/value cache); never
+    while transformers' caches are not loaded (no value can be one)."""
+    cls = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     return cls is not None and isinstance(value, cls)
 
 
