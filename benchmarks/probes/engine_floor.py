@@ -1,12 +1,13 @@
 """What a trace costs with interlace's tracer core and a minimal engine: where issue 20's gap is.
 
     python benchmarks/probes/engine_floor.py              # tiny GPT-2, save layer 0's output
-    python benchmarks/probes/engine_floor.py --rounds 800
+    python benchmarks/probes/engine_floor.py --rounds 2000 --ways prototype,gencore,checked,interlace
+    python benchmarks/probes/engine_floor.py --ways checked,checked-containers,checked-all
 
 Issue 20 asks for a save-one trace within +20 us of the prototype contender (a tapped, pooled
 greenlet written by hand, `benchmarks/prototype.py`). Before concluding which part of
-interlace stands in the way, this isolates it: the same `with` block run seven ways, in
-shuffled order round by round in one process (medians):
+interlace stands in the way, this isolates it: the same `with` block run several ways (`--ways`;
+plain hooks always), in shuffled order round by round in one process (medians):
 
   prototype  the tapped pooled greenlet, no tracer (as in the harness)
   genproto   the generator-body prototype, no tracer (the harness's)
@@ -18,14 +19,31 @@ shuffled order round by round in one process (medians):
              greenlet, a module's instance `forward` replaced when the body first waits for
              it, Envoy-like objects with `.output` (no occurrence counting, batching,
              invokes, grads, edits, errors or checks)
-  interlace  `interlace.Model(...).trace(...)`
+  checked    interlace's real tracer core driving a generator engine written here in plain
+             Python that makes what an express run must make before and while it serves a
+             read (`CheckedEngine`, PARTS): the engine's lock and owner; the read asked in
+             the body's own frame ("frame"); the order, global hooks, and each wrapped
+             module's own hooks, forward and class checked ("checks"); the called modules
+             containing the read one wrapped too ("containers"); the body's own contextvars
+             context and grad mode across each switch ("context"); Envoy-like objects with
+             `.output`. No occurrence counting, batching, invokes, edits or hand-over: the
+             floor of the express run's mechanism, in the plainest code
+  checked-P  the same without part P (checked-all: without any), to price each part
+  checked-fetched  `checked` with the Envoy chain looked up before the block
+  interlace  `interlace.Model(...).trace(...)`; interlace-fetched: the Envoy looked up before
   hooks      a plain `register_forward_hook`
 
 and prints each one's us over plain hooks and over the prototype. The difference between
-`interlace` and `minimal` is what interlace's engine (intervention/) spends beyond a
-bare mechanism; `minimal` over `prototype` is the tracer core's share plus the minimal
-engine's few Python steps; `core` and `gencore` over their prototypes are the tracer core's
-alone. The traces' saved tensors are checked equal to plain hooks' first.
+`interlace` and `checked` is what interlace's engine (intervention/) spends beyond the same
+mechanism with the checks it cannot do without, and `checked` over `gencore` what those
+checks, containers and contexts cost; `minimal` over `prototype` is the tracer core's share
+plus a bare engine's few Python steps; `core` and `gencore` over their prototypes are the
+tracer core's alone. The traces' saved tensors are checked equal to plain hooks' first.
+
+Every way's code and objects are cache lines the others' calls must fetch again: the more
+ways in one shuffle, the higher every figure, the largest footprint's most (interlace read
++26-29 us over the prototype with four other ways, +40-48 with nine). Compare ways within one
+run, with the same `--ways`.
 """
 
 from __future__ import annotations
@@ -120,6 +138,192 @@ class MinimalEnvoy:
         return self._engine.wait(self._module)
 
 
+WAYS = ("hooks", "prototype", "genproto", "core", "gencore", "minimal", "checked", "checked-checks",
+        "checked-containers", "checked-context", "checked-frame", "checked-all", "checked-fetched",
+        "interlace", "interlace-fetched")
+
+
+class Fallback(Exception):
+    """What the checked engine would hand to a general run (the probe's bodies never do)."""
+
+
+_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+
+#: The parts of an express run's read that `CheckedEngine` makes (all, unless told fewer): the
+#: read asked in the body's own frame; the checks before a module is wrapped (the order, global
+#: hooks, the module's own hooks and forward, its class); the called modules containing the read
+#: one wrapped too (so that a container's output asked for from inside it can be served); the
+#: body's own contextvars context and grad mode across each switch.
+PARTS = frozenset({"frame", "checks", "containers", "context"})
+
+
+class CheckedEngine:
+    """The generator route's mechanism with an express run's checks, in plain Python: the body
+    a generator (each read a `yield` of its module), a module's instance `forward` replaced
+    when the body first asks for it, after the checks that make that safe. `parts`: which of
+    PARTS it makes (the others left out, to price each)."""
+
+    def __init__(self, root, parts=PARTS):
+        import contextvars
+        import sys
+        import threading
+
+        import torch
+        from torch.nn.modules import module as torch_module
+
+        from interlace.tracing.save import enter_body, exit_body
+
+        self.parts = frozenset(parts)
+        self.root = root
+        self.lock = threading.Lock()
+        self.get_ident, self.copy_context = threading.get_ident, contextvars.copy_context
+        self.enter_body, self.exit_body = enter_body, exit_body
+        self.getframe = sys._getframe
+        self.owner = None
+        self.is_grad_enabled, self.set_grad_enabled = torch.is_grad_enabled, torch.set_grad_enabled
+        self.global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+                             torch_module._global_backward_hooks)
+        self.forwards = {}  # module -> its wrapper, made once
+        self.positions = {}  # module -> its place in the learned order
+        self.classes = {}  # module -> (its class, the class's forward) when learned
+        self.ancestors = {}  # module -> the modules containing it (not the root)
+        self.installed = []
+        self.gen = self.context = self.waiting = self.values = None
+        self.position, self.body_grad = -1, True
+        self._learn()
+
+    def _learn(self):
+        """The modules' order in a forward, and which contain which (the learned order)."""
+        parents = {}
+        for parent in self.root.modules():
+            for child in parent.children():
+                parents[child] = parent
+        for i, module in enumerate(self.root.modules()):  # (registration order: tiny GPT-2's call order)
+            self.positions[module] = i
+            self.classes[module] = (type(module), type(module).forward)
+            chain, up = [], parents.get(module)
+            while up is not None and up is not self.root:
+                chain.append(up)
+                up = parents.get(up)
+            self.ancestors[module] = tuple(chain)
+
+    def ask(self, module, frame):
+        """Body side, before a read yields: may this run serve `module`'s output? (wrappers set)"""
+        parts = self.parts
+        if "frame" in parts and (frame is not self.gen.gi_frame or self.getframe(2) is not frame):
+            raise Fallback("read outside the body's frame")
+        checks = "checks" in parts
+        if checks:
+            place = self.positions.get(module)
+            if place is None or place <= self.position:
+                raise Fallback("out of order")
+        if module in self.installed:
+            return
+        if checks and any(self.global_hooks):
+            raise Fallback("global hooks")
+        for m in (module, *self.ancestors[module]) if "containers" in parts else (module,):
+            if m in self.installed or (m is not module and not m._modules):
+                continue
+            instance = m.__dict__
+            if checks:
+                if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
+                    raise Fallback("a forward or hooks of its own")
+                cls, forward = self.classes[m]
+                if type(m) is not cls or cls.forward is not forward:
+                    raise Fallback("its class changed")
+            wrapper = self.forwards.get(m)
+            if wrapper is None:
+                wrapper = self.forwards[m] = self._forward(m)
+            instance["forward"] = wrapper
+            self.installed.append(m)
+
+    def _forward(self, module):
+        original = module.forward
+        place = self.positions[module]
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.waiting is module and self.context is None:  # (no context: plain sends)
+                self.position = place
+                try:
+                    self.waiting = self.gen.send(out)
+                except StopIteration as end:
+                    self.waiting, self.values = None, end.value
+            elif self.waiting is module:
+                self.position = place
+                model_grad = self.is_grad_enabled()
+                if model_grad != self.body_grad:
+                    self.set_grad_enabled(self.body_grad)
+                try:
+                    self.waiting = self.context.run(self.gen.send, out)
+                except StopIteration as end:
+                    self.waiting, self.values = None, end.value
+                finally:
+                    self.body_grad = self.is_grad_enabled()
+                    if self.body_grad != model_grad:
+                        self.set_grad_enabled(model_grad)
+            return out
+        return forward
+
+    def run(self, body, args):
+        """Run the model on `args` with `body` (a deferred body) beside it: its final locals."""
+        if not self.lock.acquire(False):
+            raise Fallback("another run has the model")
+        self.owner = self.get_ident()
+        gen = self.gen = body.generator()
+        context = self.context = self.copy_context() if "context" in self.parts else None
+        runner = _HERE if context is None else context  # (a Context with no variables is falsy)
+        token = runner.run(self.enter_body, body.state)
+        self.position, self.body_grad, self.values = -1, self.is_grad_enabled(), None
+        try:
+            try:
+                self.waiting = runner.run(gen.send, None)
+            except StopIteration as end:
+                self.waiting, self.values = None, end.value
+            self.root(*args)
+        finally:
+            for module in self.installed:
+                del module.__dict__["forward"]
+            self.installed.clear()
+            if self.waiting is not None:
+                self.waiting = None
+                gen.close()
+            runner.run(self.exit_body, token)
+            self.gen = self.context = None
+            self.owner = None
+            self.lock.release()
+        values, self.values = self.values, None
+        return body.generator_locals(values)
+
+
+class _HERE:
+    """`context.run` for a run without a context of its own: in the caller's."""
+
+    @staticmethod
+    def run(fn, *args):
+        return fn(*args)
+
+
+class CheckedEnvoy(MinimalEnvoy):
+    """`.output` as the generator route reads it: the engine's checks, then one `yield`."""
+
+    def __interlace_read__(self, name):
+        self._engine.ask(self._module, sys._getframe(1))
+        return (yield self._module)
+
+    def __getattr__(self, name):
+        child = CheckedEnvoy(self._engine, getattr(self._module, name))
+        self.__dict__[name] = child
+        return child
+
+    def __getitem__(self, i):
+        if self._items is None:
+            self._items = [CheckedEnvoy(self._engine, child) for child in self._module]
+        return self._items[i]
+
+
 def saved_by_hook(module, block, *args):
     """`block`'s output in `module(*args)`, taken by a plain forward hook registered and
     removed around the call (the reference every probe compares with)."""
@@ -195,25 +399,75 @@ def setup():
             out = interlace.save(tap.wait(block))
         return out
 
+    def checked_way(parts=PARTS, fetched=False):
+        """A save-one trace on a CheckedEngine making `parts` (the Envoy chain looked up in
+        the body, or before it when `fetched`)."""
+        engine = CheckedEngine(module, parts)
+        root = CheckedEnvoy(engine, module)
+        block_envoy = root.transformer.h[0]
+
+        class _CheckedBackend:
+            def __call__(self, tracer):
+                tracer.push_result(engine.run(tracer.defer(), tracer.args))
+
+        class CheckedTracer(Tracer):
+            def __init__(self, *args):
+                super().__init__(*args, backend=_CheckedBackend())
+
+        if fetched:
+            def trace():
+                with CheckedTracer(ids):
+                    out = interlace.save(block_envoy.output)
+                return out
+        else:
+            def trace():
+                with CheckedTracer(ids):
+                    out = interlace.save(root.transformer.h[0].output)
+                return out
+        return trace
+
+    interlace_block = model.transformer.h[0]
+
+    def interlace_fetched():
+        with model.trace(ids):
+            out = interlace_block.output.save()
+        return out
+
     bare = Bare(module, ids, block)
     genproto = GeneratorPrototype().save_one(bare)
     gencore_trace = GeneratorCore().save_one(bare)  # (the harness's gencore)
 
-    return {"hooks": hooks, "prototype": prototype, "genproto": genproto, "core": core_trace,
-            "gencore": gencore_trace, "minimal": minimal_trace, "interlace": interlace_trace}
+    ways = {"hooks": hooks, "prototype": prototype, "genproto": genproto, "core": core_trace,
+            "gencore": gencore_trace, "minimal": minimal_trace, "checked": checked_way(),
+            "interlace": interlace_trace}
+    # the same, less one part each (what each costs), and with the Envoy chain looked up before
+    for part in sorted(PARTS):
+        ways[f"checked-{part}"] = checked_way(PARTS - {part})
+    ways["checked-all"] = checked_way(frozenset())
+    ways["checked-fetched"] = checked_way(fetched=True)
+    ways["interlace-fetched"] = interlace_fetched
+    return ways
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--ways", default="prototype,genproto,core,gencore,minimal,checked,interlace",
+                        help="comma-separated, of " + ", ".join(WAYS) + " (plain hooks always run: "
+                             "the reference); every way in one shuffle adds its lines to the others'")
     args = parser.parse_args()
     import torch
 
+    wanted = ["hooks"] + [w for w in args.ways.split(",") if w and w != "hooks"]
+    unknown = sorted(set(wanted) - set(WAYS))
+    if unknown:
+        parser.error(f"no such way: {', '.join(unknown)} (known: {', '.join(WAYS)})")
     torch.set_num_threads(1)
-    ways = setup()
+    every = setup()
+    ways = {name: every[name] for name in wanted}
     with torch.no_grad():
         expected = ways["hooks"]()
-        for name in ("core", "gencore", "minimal", "interlace"):
+        for name in ways:
             got = ways[name]()
             if not torch.equal(got[0] if isinstance(got, tuple) else got, expected[0]
                                if isinstance(expected, tuple) else expected):
@@ -231,11 +485,12 @@ def main():
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     print(f"tiny GPT-2, save layer 0's output, one thread, {args.rounds} interleaved rounds, medians\n")
+    proto = median.get("prototype")
     print("| way | us per trace | over plain hooks | over the prototype |")
     print("|---|---:|---:|---:|")
     for name, value in median.items():
         print(f"| {name} | {value:,.1f} | {value - median['hooks']:+.1f} | "
-              f"{value - median['prototype']:+.1f} |")
+              + ("—" if proto is None else f"{value - proto:+.1f}") + " |")
 
 
 if __name__ == "__main__":
