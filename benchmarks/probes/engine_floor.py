@@ -324,6 +324,38 @@ class CheckedEnvoy(MinimalEnvoy):
         return self._items[i]
 
 
+def checked_trace(module, ids, parts=PARTS, fetched=False):
+    """A save-one trace of GPT-2 `module` on `ids` (block 0's output) by interlace's tracer core
+    driving a CheckedEngine making `parts`, with the Envoy chain looked up in the body (or
+    before it when `fetched`): a zero-argument callable returning the saved value."""
+    import interlace
+    from interlace.tracing import Tracer
+
+    engine = CheckedEngine(module, parts)
+    root = CheckedEnvoy(engine, module)
+    block_envoy = root.transformer.h[0]
+
+    class _CheckedBackend:
+        def __call__(self, tracer):
+            tracer.push_result(engine.run(tracer.defer(), tracer.args))
+
+    class CheckedTracer(Tracer):
+        def __init__(self, *args):
+            super().__init__(*args, backend=_CheckedBackend())
+
+    if fetched:
+        def trace():
+            with CheckedTracer(ids):
+                out = interlace.save(block_envoy.output)
+            return out
+    else:
+        def trace():
+            with CheckedTracer(ids):
+                out = interlace.save(root.transformer.h[0].output)
+            return out
+    return trace
+
+
 def saved_by_hook(module, block, *args):
     """`block`'s output in `module(*args)`, taken by a plain forward hook registered and
     removed around the call (the reference every probe compares with)."""
@@ -399,33 +431,6 @@ def setup():
             out = interlace.save(tap.wait(block))
         return out
 
-    def checked_way(parts=PARTS, fetched=False):
-        """A save-one trace on a CheckedEngine making `parts` (the Envoy chain looked up in
-        the body, or before it when `fetched`)."""
-        engine = CheckedEngine(module, parts)
-        root = CheckedEnvoy(engine, module)
-        block_envoy = root.transformer.h[0]
-
-        class _CheckedBackend:
-            def __call__(self, tracer):
-                tracer.push_result(engine.run(tracer.defer(), tracer.args))
-
-        class CheckedTracer(Tracer):
-            def __init__(self, *args):
-                super().__init__(*args, backend=_CheckedBackend())
-
-        if fetched:
-            def trace():
-                with CheckedTracer(ids):
-                    out = interlace.save(block_envoy.output)
-                return out
-        else:
-            def trace():
-                with CheckedTracer(ids):
-                    out = interlace.save(root.transformer.h[0].output)
-                return out
-        return trace
-
     interlace_block = model.transformer.h[0]
 
     def interlace_fetched():
@@ -438,13 +443,13 @@ def setup():
     gencore_trace = GeneratorCore().save_one(bare)  # (the harness's gencore)
 
     ways = {"hooks": hooks, "prototype": prototype, "genproto": genproto, "core": core_trace,
-            "gencore": gencore_trace, "minimal": minimal_trace, "checked": checked_way(),
+            "gencore": gencore_trace, "minimal": minimal_trace, "checked": checked_trace(module, ids),
             "interlace": interlace_trace}
     # the same, less one part each (what each costs), and with the Envoy chain looked up before
     for part in sorted(PARTS):
-        ways[f"checked-{part}"] = checked_way(PARTS - {part})
-    ways["checked-all"] = checked_way(frozenset())
-    ways["checked-fetched"] = checked_way(fetched=True)
+        ways[f"checked-{part}"] = checked_trace(module, ids, PARTS - {part})
+    ways["checked-all"] = checked_trace(module, ids, frozenset())
+    ways["checked-fetched"] = checked_trace(module, ids, fetched=True)
     ways["interlace-fetched"] = interlace_fetched
     return ways
 

@@ -38,8 +38,10 @@ counted) before each whole call, so that its L2 misses are the distinct lines it
 trace's own footprint, which the forward's lines must make room for. Its rows go layer by
 layer: the prototypes, the tracer core around the generator prototype (`gencore`), interlace
 with an empty body, reading the root's output, reading the block through an Envoy looked up
-before the block, the whole save-one trace (an express run, intervention/express.py), and
-the same trace on the general run.
+before the block, the whole save-one trace (an express run, intervention/express.py), the
+same trace on the general run, and last (so that the other rows' dumps keep their numbers) the
+tracer core driving `engine_floor.py`'s checked engine: the express run's mechanism with the
+checks it cannot do without, written plainly.
 """
 
 from __future__ import annotations
@@ -284,6 +286,11 @@ def inside(folder, traces, forward="gpt2", footprint=False, invokes=0):
     bare = Bare(module, ids, block)
     genproto = GeneratorPrototype().save_one(bare)
     gencore = GeneratorCore().save_one(bare)
+    checked = None
+    if forward == "gpt2":  # the tracer core driving engine_floor.py's CheckedEngine (GPT-2's chain)
+        from benchmarks.probes.engine_floor import checked_trace
+
+        checked = checked_trace(module, ids)
 
     def empty():
         with model.trace(ids):
@@ -315,7 +322,7 @@ def inside(folder, traces, forward="gpt2", footprint=False, invokes=0):
     totals = {}
     with torch.no_grad():
         for fn in (raw, hooks, prototype, whole, calibrate, genproto, gencore, empty, root_output,
-                   fetched, general):
+                   fetched, general, *([checked] if checked else [])):
             for _ in range(30):
                 fn()
         if footprint:  # every call starts with cold caches: its L2 misses are its distinct lines
@@ -324,7 +331,8 @@ def inside(folder, traces, forward="gpt2", footprint=False, invokes=0):
                              ("generator prototype", genproto), ("tracer core + it (gencore)", gencore),
                              ("interlace, empty body", empty), ("interlace, the root's output", root_output),
                              ("interlace, the block's Envoy fetched before", fetched),
-                             ("trace, whole", trace), ("the same on the general run", general)):
+                             ("trace, whole", trace), ("the same on the general run", general),
+                             *([("tracer core + a checked engine (engine_floor.py)", checked)] if checked else [])):
                 marks.il_start()
                 marks.il_toggle()
                 for _ in range(traces):
