@@ -32,7 +32,7 @@ import time
 from . import baseline as B
 from . import contenders as C
 from . import measure, report, runs, subjects, workloads
-from .prototype import GeneratorCore, GeneratorPrototype, Prototype
+from .prototype import GeneratorChecked, GeneratorCore, GeneratorPrototype, Prototype
 
 
 def parse(argv):
@@ -44,7 +44,8 @@ def parse(argv):
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(subjects.SHAPES)}")
     p.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(workloads.WORKLOADS)}")
     p.add_argument("--contenders", default=None,
-                   help="comma-separated, of raw, hooks, prototype, genproto, gencore, interlace, twin, baseline, nnsight, tlens")
+                   help="comma-separated, of raw, hooks, prototype, genproto, gencore, checked (only when named), interlace, "
+                        "twin, baseline, nnsight, tlens")
     p.add_argument("--baseline", default=None, metavar="REF",
                    help="also measure interlace as it was at this git ref (built in place): before/after in one run")
     p.add_argument("--baseline-dir", default=None, metavar="DIR",
@@ -270,7 +271,8 @@ def measure_runs(o) -> list:
         wanted.add("baseline")  # asked for by name
     baseline = prepare_baseline(o) if o.baseline else None
     # in this process, kept across runs (their wrappers and nnsight's copies are made once)
-    here = [C.Raw(), C.Hooks(), Prototype(), GeneratorPrototype(), GeneratorCore(), C.Interlace(), C.NNsight(), C.TransformerLens()]
+    here = [C.Raw(), C.Hooks(), Prototype(), GeneratorPrototype(), GeneratorCore(), GeneratorChecked(), C.Interlace(),
+            C.NNsight(), C.TransformerLens()]
     each = []
     for i in range(o.runs):
         if o.runs > 1:
@@ -284,8 +286,10 @@ def measure_once(o, settings, here, wanted, baseline) -> dict:
 
     With a measured baseline, this tree's interlace runs in a worker too, of the same kind as
     the baseline's (compiled, its src/ first on the path): before and after alike."""
-    raw, hooks, prototype, genproto, gencore, interlace, nnsight, tlens = here
+    raw, hooks, prototype, genproto, gencore, checked, interlace, nnsight, tlens = here
     everyone, workers = [raw, hooks, prototype, genproto, gencore], []
+    if wanted is not None and "checked" in wanted:  # (only when named: its lines raise everyone's figures)
+        everyone.append(checked)
     info = dict(baseline) if baseline else None
     try:
         if baseline and "skipped" not in baseline:

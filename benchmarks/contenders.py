@@ -16,6 +16,9 @@ compared across contenders before anything is timed (`measure.agree`).
 * gencore      genproto run by interlace's tracer core: the `with` block captured, skipped,
                deferred, compiled as a generator, its saves written back (prototype.py):
                the capture-and-skip design's floor, with no engine
+* checked      the tracer core driving a plain-Python generator engine that makes the checks an
+               express run cannot do without (prototype.py's CheckedEngine; save one, zero MLPs,
+               fixed): the floor of that mechanism. Only when named in --contenders
 * interlace    `interlace.Model` / `interlace.LanguageModel`, on whichever path this process
                loaded (the harness runs the pure-Python twin in a second process)
 * nnsight      nnsight 0.8.1, on its own deep copy of the module (it replaces every module's

@@ -14,6 +14,9 @@ mechanism costs, for interlace's own steps to be measured against.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import greenlet
 import torch
 
@@ -399,3 +402,296 @@ class Bare:
 
     def layers(self):
         return [self.block]
+
+
+# ---- the checked engine: the express run's mechanism with the checks it cannot do without ----
+
+
+class Fallback(Exception):
+    """What the checked engine would hand to a general run (the harness's bodies never do)."""
+
+
+_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+#: The parts of an express run's read that `CheckedEngine` makes (all, unless told fewer): the
+#: read asked in the body's own frame; the checks before a module is wrapped (the order, global
+#: hooks, the module's own hooks and forward, its class); the called modules containing the read
+#: one wrapped too (so that a container's output asked for from inside it can be served); the
+#: body's own contextvars context and grad mode across each switch.
+PARTS = frozenset({"frame", "checks", "containers", "context"})
+
+
+class _Here:
+    """`context.run` for a run without a context of its own: in the caller's."""
+
+    @staticmethod
+    def run(fn, *args):
+        return fn(*args)
+
+
+class CheckedEngine:
+    """The generator route's mechanism with an express run's checks, in plain Python (about what
+    `intervention/express.py` makes per trace, none of its occurrence counting, batching,
+    invokes or hand-over): the body a generator (each read a `yield` of its module, a write
+    the replacement of the value being served), a module's instance `forward` replaced when
+    the body first asks for it, after the checks that make that safe. The floor of that
+    mechanism, written as plainly as it can be (benchmarks/probes/engine_floor.py prices it
+    part by part: `parts`, of PARTS)."""
+
+    def __init__(self, root, example, parts=PARTS):
+        import contextvars
+        import sys
+        import threading
+
+        from torch.nn.modules import module as torch_module
+
+        from interlace.tracing.save import enter_body, exit_body
+
+        self.parts = frozenset(parts)
+        self.root = root
+        self.lock = threading.Lock()
+        self.get_ident, self.copy_context = threading.get_ident, contextvars.copy_context
+        self.enter_body, self.exit_body = enter_body, exit_body
+        self.getframe = sys._getframe
+        self.owner = None
+        self.is_grad_enabled, self.set_grad_enabled = torch.is_grad_enabled, torch.set_grad_enabled
+        self.global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
+                             torch_module._global_backward_hooks)
+        self.forwards = {}  # module -> its wrapper, made once
+        self.positions = {}  # module -> its place in the learned order (its first call)
+        self.classes = {}  # module -> (its class, the class's forward) when learned
+        self.ancestors = {}  # module -> the modules containing it (not the root)
+        self.installed = []
+        self.gen = self.context = self.waiting = self.serving = self.new = self.values = None
+        self.position, self.body_grad = -1, True
+        self._learn(example)
+
+    def _learn(self, example):
+        """The order of the modules' calls in a forward on `example` (the learned order), and
+        which modules contain which."""
+        order = []
+        handles = [m.register_forward_pre_hook(lambda m, a: order.append(m)) for m in self.root.modules()]
+        try:
+            with torch.no_grad():
+                self.root(*example)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for module in order:
+            self.positions.setdefault(module, len(self.positions))
+        parents = {}
+        for parent in self.root.modules():
+            for child in parent.children():
+                parents[child] = parent
+        for module in self.root.modules():
+            self.classes[module] = (type(module), type(module).forward)
+            chain, up = [], parents.get(module)
+            while up is not None and up is not self.root:
+                chain.append(up)
+                up = parents.get(up)
+            self.ancestors[module] = tuple(chain)
+
+    def ask(self, module, frame):
+        """Body side, before a read yields: may this run serve `module`'s output? (Its wrappers
+        set.) Raises Fallback where an express run would hand over."""
+        parts = self.parts
+        if "frame" in parts and (frame is not self.gen.gi_frame or self.getframe(2) is not frame):
+            raise Fallback("read outside the body's frame")
+        checks = "checks" in parts
+        if checks:
+            place = self.positions.get(module)
+            if place is None or place <= self.position:
+                raise Fallback("out of order")
+        if module in self.installed:
+            return
+        if checks and any(self.global_hooks):
+            raise Fallback("global hooks")
+        for m in (module, *self.ancestors[module]) if "containers" in parts else (module,):
+            if m in self.installed or (m is not module and m not in self.positions):
+                continue  # (set already, or a container never called: a ModuleList)
+            instance = m.__dict__
+            if checks:
+                if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
+                    raise Fallback("a forward or hooks of its own")
+                cls, forward = self.classes[m]
+                if type(m) is not cls or cls.forward is not forward:
+                    raise Fallback("its class changed")
+            wrapper = self.forwards.get(m)
+            if wrapper is None:
+                wrapper = self.forwards[m] = self._forward(m)
+            instance["forward"] = wrapper
+            self.installed.append(m)
+
+    def write(self, module, value):
+        """Body side: `value` replaces the output being served (only that one)."""
+        if module is not self.serving:
+            raise Fallback("a write to a value not being served")
+        self.new = value
+
+    def _forward(self, module):
+        original = module.forward
+        place = self.positions[module]
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.waiting is not module:
+                return out
+            self.position, self.serving = place, module
+            if self.context is None:  # (no context of its own: plain sends)
+                try:
+                    self.waiting = self.gen.send(out)
+                except StopIteration as end:
+                    self.waiting, self.values = None, end.value
+            else:
+                model_grad = self.is_grad_enabled()
+                if model_grad != self.body_grad:
+                    self.set_grad_enabled(self.body_grad)
+                try:
+                    self.waiting = self.context.run(self.gen.send, out)
+                except StopIteration as end:
+                    self.waiting, self.values = None, end.value
+                finally:
+                    self.body_grad = self.is_grad_enabled()
+                    if self.body_grad != model_grad:
+                        self.set_grad_enabled(model_grad)
+            self.serving = None
+            new, self.new = self.new, None
+            return out if new is None else new
+        return forward
+
+    def run(self, body, args):
+        """Run the model on `args` with `body` (a deferred body) beside it: its final locals."""
+        if not self.lock.acquire(False):
+            raise Fallback("another run has the model")
+        self.owner = self.get_ident()
+        gen = self.gen = body.generator()
+        context = self.context = self.copy_context() if "context" in self.parts else None
+        runner = _Here if context is None else context  # (a Context with no variables is falsy)
+        token = runner.run(self.enter_body, body.state)
+        self.position, self.body_grad, self.values = -1, self.is_grad_enabled(), None
+        try:
+            try:
+                self.waiting = runner.run(gen.send, None)
+            except StopIteration as end:
+                self.waiting, self.values = None, end.value
+            self.root(*args)
+        finally:
+            for module in self.installed:
+                del module.__dict__["forward"]
+            self.installed.clear()
+            if self.waiting is not None:
+                self.waiting = None
+                gen.close()
+            runner.run(self.exit_body, token)
+            self.gen = self.context = None
+            self.owner = None
+            self.lock.release()
+        values, self.values = self.values, None
+        if values is None:
+            raise Fallback("the body waited for a module the forward did not call")
+        return body.generator_locals(values)
+
+
+class ProbeEnvoy:
+    """`.child` and `[i]`: just enough Envoy for a body to find its module (the children made
+    once, of the same class); a subclass says how `.output` is read."""
+
+    def __init__(self, engine, module):
+        self._engine = engine
+        self._module = module
+        self._items = None
+
+    def __getattr__(self, name):
+        child = type(self)(self._engine, getattr(self._module, name))
+        self.__dict__[name] = child
+        return child
+
+    def __getitem__(self, i):
+        if self._items is None:
+            self._items = [type(self)(self._engine, child) for child in self._module]
+        return self._items[i]
+
+
+class CheckedEnvoy(ProbeEnvoy):
+    """`.output` (read and written) as the generator route reads it: the engine's checks, then
+    one `yield`."""
+
+    def __interlace_read__(self, name):
+        self._engine.ask(self._module, sys._getframe(1))
+        return (yield self._module)
+
+    def __interlace_write__(self, name, value):
+        self._engine.write(self._module, value)
+        return
+        yield  # (a generator that returns at once: `yield from` it is the write)
+
+
+def tracer_for(engine):
+    """A `Tracer` class whose traces run their deferred body by `engine.run(body, args)` (the
+    body's final locals) with interlace's real tracer core around it."""
+    from interlace.tracing import Tracer
+
+    class _Backend:
+        def __call__(self, tracer):
+            tracer.push_result(engine.run(tracer.defer(), tracer.args))
+
+    backend = _Backend()
+
+    class EngineTracer(Tracer):
+        def __init__(self, *args):
+            super().__init__(*args, backend=backend)
+
+    return EngineTracer
+
+
+class GeneratorChecked(Contender):
+    """Interlace's tracer core driving the `CheckedEngine`: the floor of the express run's
+    mechanism with the checks it cannot do without (issue 20's save-one bounds read against
+    it). Only when named (`--contenders ...,checked`): every contender's lines raise the
+    others' figures."""
+
+    name, label = "checked", "tracer core + checked generator engine (prototype)"
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one engine per subject, for the process
+    def _tracer(self, s):
+        engine = CheckedEngine(s.module, (s.ids,))
+        return tracer_for(engine), CheckedEnvoy(engine, s.module)
+
+    def save_one(self, s):
+        from interlace import save
+
+        (Tracer, root), ids = self._tracer(s), s.ids
+
+        def run():
+            with Tracer(ids):
+                h = save(s.layers_of(root)[0].output)
+            return _first(h)
+        return run
+
+    def zero_mlps(self, s, k=None):
+        from interlace import save
+
+        (Tracer, root), ids = self._tracer(s), s.ids
+        k = s.shape.layers if k is None else k
+
+        def run():
+            with Tracer(ids):
+                layers = s.layers_of(root)
+                for i in range(k):
+                    mlp = layers[i].mlp
+                    mlp.output = torch.zeros_like(mlp.output)
+                logits = save(s.head_of(root).output)
+            return logits
+        return run
+
+    def fixed(self, s):
+        from interlace import save
+
+        (Tracer, root), x = self._tracer(s), s.ids
+
+        def run():
+            with Tracer(x):
+                h = save(root.output)
+            return h
+        return run

@@ -21,6 +21,9 @@ GOALS = (
      lambda r, c: _cell(r, "save_one", "tiny", c, "ratio")),
     ("save_one_prototype", "save one layer, tiny: us over the prototype contender (each one's +us over "
      "plain hooks, same run) [save_one]", 20.0, lambda r, c: _over_prototype(r, "save_one", "tiny", c)),
+    ("save_one_checked", "save one layer, tiny: us over the checked floor (the `checked` contender, named in "
+     "--contenders: the mechanism with the checks it cannot do without; no target) [save_one]", None,
+     lambda r, c: _over(r, "save_one", "tiny", c, "checked")),
     ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.05,
      lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
     ("save_all", "save every layer, tiny (x plain hooks) [save_all]", 1.05,
@@ -74,8 +77,14 @@ def _cell(results, workload, label, contender, key):
 def _over_prototype(results, workload, label, contender):
     """us `contender` costs over the prototype contender: the difference of their +us over plain
     hooks (each against the floor of its own process), in the same run."""
-    mine, proto = (_cell(results, workload, label, c, "overhead_us") for c in (contender, "prototype"))
-    return None if contender == "prototype" or mine is None or proto is None else mine - proto
+    return _over(results, workload, label, contender, "prototype")
+
+
+def _over(results, workload, label, contender, other):
+    """us `contender` costs over contender `other` in the same run (each one's +us over plain
+    hooks, against the floor of its own process); None where either is unmeasured."""
+    mine, theirs = (_cell(results, workload, label, c, "overhead_us") for c in (contender, other))
+    return None if contender == other or mine is None or theirs is None else mine - theirs
 
 
 def _worst_run(results, workload, label, contender):

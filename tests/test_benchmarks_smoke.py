@@ -185,7 +185,9 @@ def test_baseline_is_the_commit_built_from_its_own_tree(run):
                 assert row[name]["own_floor_us"] > 0, (wname, label, name)
     assert w["wrapped"]["structural"]["baseline"] == []  # its wrapper too leaves the module bare
     assert w["import"]["rows"]["baseline"]["wall_ms"] > 0 and w["cold_start"]["rows"]["baseline"]["first_ms"] > 0
-    assert all(g["baseline"] is not None for g in results["goals"] if not g["goal"].startswith("edit_slope"))
+    # (the per-edit goals need a steady slope; the checked floor's, a contender run only when named)
+    assert all(g["baseline"] is not None for g in results["goals"]
+               if not g["goal"].startswith("edit_slope") and g["goal"] != "save_one_checked")
 
 
 def test_a_baseline_that_cannot_be_had_is_one_line_and_the_run_goes_on(tmp_path):
@@ -536,3 +538,20 @@ def test_issue_21_goals_read_the_worst_run_and_refuse_an_unsteady_slope():
     assert unsteady["edit_slope_below"]["met"] is None
     assert "-3.0 to 20.0" in unsteady["edit_slope_below"]["unreadable"]
     assert unsteady["edit_slope"]["met"] is True  # issue 8's goal has no such rule
+
+
+def test_the_checked_floor_runs_only_when_named_and_agrees_with_plain_hooks(run, tmp_path):
+    """The `checked` contender (the express run's mechanism with its checks, written plainly)
+    saves and edits what plain hooks do; a default run leaves it out (its lines would raise
+    every other contender's figures), and the goals read interlace against it when it ran."""
+    results, _ = run
+    assert "checked" not in results["contenders"]
+    named, markdown, _ = _harness("--contenders", "hooks,checked,interlace", "--workloads",
+                                  "save_one,zero_mlps,fixed", "--shapes", "tiny,linear", tmp=tmp_path)
+    w = named["workloads"]
+    for wname, label in (("save_one", "tiny"), ("zero_mlps", "tiny"), ("fixed", "linear")):
+        assert w[wname]["cases"][label]["checked"]["agrees"] is True, wname
+    goal = next(g for g in named["goals"] if g["goal"] == "save_one_checked")
+    row = w["save_one"]["cases"]["tiny"]
+    assert goal["interlace"] == pytest.approx(row["interlace"]["overhead_us"] - row["checked"]["overhead_us"])
+    assert "tracer core + checked generator engine (prototype)" in markdown

@@ -57,6 +57,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # (this checkout's benchmarks package, run as a script)
+
+from benchmarks.prototype import ProbeEnvoy, tracer_for  # noqa: E402
 
 
 class MinimalEngine:
@@ -115,23 +119,8 @@ class MinimalEngine:
         return values
 
 
-class MinimalEnvoy:
-    """`.child`, `[i]` and `.output`: just enough Envoy for the body."""
-
-    def __init__(self, engine, module):
-        self._engine = engine
-        self._module = module
-        self._items = None
-
-    def __getattr__(self, name):
-        child = MinimalEnvoy(self._engine, getattr(self._module, name))
-        self.__dict__[name] = child
-        return child
-
-    def __getitem__(self, i):
-        if self._items is None:
-            self._items = [MinimalEnvoy(self._engine, child) for child in self._module]
-        return self._items[i]
+class MinimalEnvoy(ProbeEnvoy):
+    """`.output` read from the minimal engine: its greenlet waits for the module."""
 
     @property
     def output(self):
@@ -143,205 +132,18 @@ WAYS = ("hooks", "prototype", "genproto", "core", "gencore", "minimal", "checked
         "interlace", "interlace-fetched")
 
 
-class Fallback(Exception):
-    """What the checked engine would hand to a general run (the probe's bodies never do)."""
-
-
-_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
-
-
-#: The parts of an express run's read that `CheckedEngine` makes (all, unless told fewer): the
-#: read asked in the body's own frame; the checks before a module is wrapped (the order, global
-#: hooks, the module's own hooks and forward, its class); the called modules containing the read
-#: one wrapped too (so that a container's output asked for from inside it can be served); the
-#: body's own contextvars context and grad mode across each switch.
-PARTS = frozenset({"frame", "checks", "containers", "context"})
-
-
-class CheckedEngine:
-    """The generator route's mechanism with an express run's checks, in plain Python: the body
-    a generator (each read a `yield` of its module), a module's instance `forward` replaced
-    when the body first asks for it, after the checks that make that safe. `parts`: which of
-    PARTS it makes (the others left out, to price each)."""
-
-    def __init__(self, root, parts=PARTS):
-        import contextvars
-        import sys
-        import threading
-
-        import torch
-        from torch.nn.modules import module as torch_module
-
-        from interlace.tracing.save import enter_body, exit_body
-
-        self.parts = frozenset(parts)
-        self.root = root
-        self.lock = threading.Lock()
-        self.get_ident, self.copy_context = threading.get_ident, contextvars.copy_context
-        self.enter_body, self.exit_body = enter_body, exit_body
-        self.getframe = sys._getframe
-        self.owner = None
-        self.is_grad_enabled, self.set_grad_enabled = torch.is_grad_enabled, torch.set_grad_enabled
-        self.global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
-                             torch_module._global_backward_hooks)
-        self.forwards = {}  # module -> its wrapper, made once
-        self.positions = {}  # module -> its place in the learned order
-        self.classes = {}  # module -> (its class, the class's forward) when learned
-        self.ancestors = {}  # module -> the modules containing it (not the root)
-        self.installed = []
-        self.gen = self.context = self.waiting = self.values = None
-        self.position, self.body_grad = -1, True
-        self._learn()
-
-    def _learn(self):
-        """The modules' order in a forward, and which contain which (the learned order)."""
-        parents = {}
-        for parent in self.root.modules():
-            for child in parent.children():
-                parents[child] = parent
-        for i, module in enumerate(self.root.modules()):  # (registration order: tiny GPT-2's call order)
-            self.positions[module] = i
-            self.classes[module] = (type(module), type(module).forward)
-            chain, up = [], parents.get(module)
-            while up is not None and up is not self.root:
-                chain.append(up)
-                up = parents.get(up)
-            self.ancestors[module] = tuple(chain)
-
-    def ask(self, module, frame):
-        """Body side, before a read yields: may this run serve `module`'s output? (wrappers set)"""
-        parts = self.parts
-        if "frame" in parts and (frame is not self.gen.gi_frame or self.getframe(2) is not frame):
-            raise Fallback("read outside the body's frame")
-        checks = "checks" in parts
-        if checks:
-            place = self.positions.get(module)
-            if place is None or place <= self.position:
-                raise Fallback("out of order")
-        if module in self.installed:
-            return
-        if checks and any(self.global_hooks):
-            raise Fallback("global hooks")
-        for m in (module, *self.ancestors[module]) if "containers" in parts else (module,):
-            if m in self.installed or (m is not module and not m._modules):
-                continue
-            instance = m.__dict__
-            if checks:
-                if "forward" in instance or any(map(instance.get, _OWN_HOOKS)):
-                    raise Fallback("a forward or hooks of its own")
-                cls, forward = self.classes[m]
-                if type(m) is not cls or cls.forward is not forward:
-                    raise Fallback("its class changed")
-            wrapper = self.forwards.get(m)
-            if wrapper is None:
-                wrapper = self.forwards[m] = self._forward(m)
-            instance["forward"] = wrapper
-            self.installed.append(m)
-
-    def _forward(self, module):
-        original = module.forward
-        place = self.positions[module]
-
-        def forward(*args, **kwargs):
-            out = original(*args, **kwargs)
-            if self.waiting is module and self.context is None:  # (no context: plain sends)
-                self.position = place
-                try:
-                    self.waiting = self.gen.send(out)
-                except StopIteration as end:
-                    self.waiting, self.values = None, end.value
-            elif self.waiting is module:
-                self.position = place
-                model_grad = self.is_grad_enabled()
-                if model_grad != self.body_grad:
-                    self.set_grad_enabled(self.body_grad)
-                try:
-                    self.waiting = self.context.run(self.gen.send, out)
-                except StopIteration as end:
-                    self.waiting, self.values = None, end.value
-                finally:
-                    self.body_grad = self.is_grad_enabled()
-                    if self.body_grad != model_grad:
-                        self.set_grad_enabled(model_grad)
-            return out
-        return forward
-
-    def run(self, body, args):
-        """Run the model on `args` with `body` (a deferred body) beside it: its final locals."""
-        if not self.lock.acquire(False):
-            raise Fallback("another run has the model")
-        self.owner = self.get_ident()
-        gen = self.gen = body.generator()
-        context = self.context = self.copy_context() if "context" in self.parts else None
-        runner = _HERE if context is None else context  # (a Context with no variables is falsy)
-        token = runner.run(self.enter_body, body.state)
-        self.position, self.body_grad, self.values = -1, self.is_grad_enabled(), None
-        try:
-            try:
-                self.waiting = runner.run(gen.send, None)
-            except StopIteration as end:
-                self.waiting, self.values = None, end.value
-            self.root(*args)
-        finally:
-            for module in self.installed:
-                del module.__dict__["forward"]
-            self.installed.clear()
-            if self.waiting is not None:
-                self.waiting = None
-                gen.close()
-            runner.run(self.exit_body, token)
-            self.gen = self.context = None
-            self.owner = None
-            self.lock.release()
-        values, self.values = self.values, None
-        return body.generator_locals(values)
-
-
-class _HERE:
-    """`context.run` for a run without a context of its own: in the caller's."""
-
-    @staticmethod
-    def run(fn, *args):
-        return fn(*args)
-
-
-class CheckedEnvoy(MinimalEnvoy):
-    """`.output` as the generator route reads it: the engine's checks, then one `yield`."""
-
-    def __interlace_read__(self, name):
-        self._engine.ask(self._module, sys._getframe(1))
-        return (yield self._module)
-
-    def __getattr__(self, name):
-        child = CheckedEnvoy(self._engine, getattr(self._module, name))
-        self.__dict__[name] = child
-        return child
-
-    def __getitem__(self, i):
-        if self._items is None:
-            self._items = [CheckedEnvoy(self._engine, child) for child in self._module]
-        return self._items[i]
-
-
-def checked_trace(module, ids, parts=PARTS, fetched=False):
+def checked_trace(module, ids, parts=None, fetched=False):
     """A save-one trace of GPT-2 `module` on `ids` (block 0's output) by interlace's tracer core
-    driving a CheckedEngine making `parts`, with the Envoy chain looked up in the body (or
-    before it when `fetched`): a zero-argument callable returning the saved value."""
+    driving a CheckedEngine (benchmarks/prototype.py) making `parts` (all by default), with the
+    Envoy chain looked up in the body (or before it when `fetched`): a zero-argument callable
+    returning the saved value."""
     import interlace
-    from interlace.tracing import Tracer
+    from benchmarks.prototype import PARTS, CheckedEngine, CheckedEnvoy
 
-    engine = CheckedEngine(module, parts)
+    engine = CheckedEngine(module, (ids,), PARTS if parts is None else parts)
     root = CheckedEnvoy(engine, module)
     block_envoy = root.transformer.h[0]
-
-    class _CheckedBackend:
-        def __call__(self, tracer):
-            tracer.push_result(engine.run(tracer.defer(), tracer.args))
-
-    class CheckedTracer(Tracer):
-        def __init__(self, *args):
-            super().__init__(*args, backend=_CheckedBackend())
+    CheckedTracer = tracer_for(engine)
 
     if fetched:
         def trace():
@@ -386,16 +188,7 @@ def setup():
     model = interlace.Model(module)
     engine = MinimalEngine(module)
     root = MinimalEnvoy(engine, module)
-
-    class _Backend:
-        def __call__(self, tracer):
-            tracer.push_result(engine.run(tracer.defer(), tracer.args))
-
-    backend = _Backend()
-
-    class MinimalTracer(Tracer):
-        def __init__(self, *args):
-            super().__init__(*args, backend=backend)
+    MinimalTracer = tracer_for(engine)
 
     block = module.transformer.h[0]
     tap = Tap()
@@ -446,6 +239,8 @@ def setup():
             "gencore": gencore_trace, "minimal": minimal_trace, "checked": checked_trace(module, ids),
             "interlace": interlace_trace}
     # the same, less one part each (what each costs), and with the Envoy chain looked up before
+    from benchmarks.prototype import PARTS
+
     for part in sorted(PARTS):
         ways[f"checked-{part}"] = checked_trace(module, ids, PARTS - {part})
     ways["checked-all"] = checked_trace(module, ids, frozenset())
