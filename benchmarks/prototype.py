@@ -15,7 +15,6 @@ mechanism costs, for interlace's own steps to be measured against.
 from __future__ import annotations
 
 import functools
-import sys
 
 import greenlet
 import torch
@@ -454,7 +453,7 @@ class CheckedEngine:
         self.get_ident, self.copy_context = threading.get_ident, contextvars.copy_context
         self.enter_body, self.exit_body = enter_body, exit_body
         self.getframe = sys._getframe
-        self.owner = None
+        self.owner = None  # the thread running the model (interlace's engine keeps it to refuse others)
         self.is_grad_enabled, self.set_grad_enabled = torch.is_grad_enabled, torch.set_grad_enabled
         self.global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks,
                              torch_module._global_backward_hooks)
@@ -492,11 +491,12 @@ class CheckedEngine:
                 up = parents.get(up)
             self.ancestors[module] = tuple(chain)
 
-    def ask(self, module, frame):
-        """Body side, before a read yields: may this run serve `module`'s output? (Its wrappers
-        set.) Raises Fallback where an express run would hand over."""
+    def ask(self, module):
+        """Body side, before a read yields (from `CheckedEnvoy.__interlace_read__`, called by
+        the reading frame): may this run serve `module`'s output? (Its wrappers set.) Raises
+        Fallback where an express run would hand over."""
         parts = self.parts
-        if "frame" in parts and (frame is not self.gen.gi_frame or self.getframe(2) is not frame):
+        if "frame" in parts and self.getframe(2) is not self.gen.gi_frame:
             raise Fallback("read outside the body's frame")
         checks = "checks" in parts
         if checks:
@@ -618,7 +618,7 @@ class CheckedEnvoy(ProbeEnvoy):
     one `yield`."""
 
     def __interlace_read__(self, name):
-        self._engine.ask(self._module, sys._getframe(1))
+        self._engine.ask(self._module)
         return (yield self._module)
 
     def __interlace_write__(self, name, value):

@@ -13,6 +13,18 @@ from __future__ import annotations
 
 MIB = 1 << 20
 
+def _zero_mlps(r, c):
+    return _cell(r, "zero_mlps", "tiny", c, "ratio")
+
+
+def _sweep_item(r, c):
+    return _cell(r, "sweep_item", None, c, "overhead_us")
+
+
+def _per_edit(r, c):
+    return r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")
+
+
 GOALS = (
     # (key, text (which workload it reads, in brackets), target, how to read it from the results)
     ("fixed", "fixed cost of a trace over plain hooks, 2x2 Linear (us) [fixed: +us]", 30.0,
@@ -24,14 +36,12 @@ GOALS = (
     ("save_one_checked", "save one layer, tiny: us over the checked floor (the `checked` contender, named in "
      "--contenders: the mechanism with the checks it cannot do without; no target) [save_one]", None,
      lambda r, c: _over(r, "save_one", "tiny", c, "checked")),
-    ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.05,
-     lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
+    ("zero_mlps", "zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.05, _zero_mlps),
     ("save_all", "save every layer, tiny (x plain hooks) [save_all]", 1.05,
      lambda r, c: _cell(r, "save_all", "tiny", c, "ratio")),
     ("sweep_item", "sweep probe: us per item over the floor (done-when bound: 40) [sweep_item: +us]", 30.0,
-     lambda r, c: _cell(r, "sweep_item", None, c, "overhead_us")),
-    ("edit_slope", "cost per edited location, k = 1..12 (x plain hooks' per edit) [edit_slope]", 2.0,
-     lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
+     _sweep_item),
+    ("edit_slope", "cost per edited location, k = 1..12 (x plain hooks' per edit) [edit_slope]", 2.0, _per_edit),
     ("as_module", "a call of edited.as_module()'s module, tiny (x a trace with the same edits) "
      "[as_module]", 1.05,
      lambda r, c: r["workloads"].get("as_module", {}).get("exported", {}).get(c, {}).get("tiny")),
@@ -53,18 +63,12 @@ GOALS = (
     ("save_one_below", "issue 21: save one layer, tiny, in each run (x plain hooks, the worst run) "
      "[save_one]", 0.98, lambda r, c: _worst_run(r, "save_one", "tiny", c)),
     ("zero_mlps_below", "issue 21: zero every MLP + save logits, tiny (x plain hooks) [zero_mlps]", 1.0,
-     lambda r, c: _cell(r, "zero_mlps", "tiny", c, "ratio")),
+     _zero_mlps),
     ("sweep_item_below", "issue 21: sweep probe, us per item over the floor [sweep_item: +us]", 20.0,
-     lambda r, c: _cell(r, "sweep_item", None, c, "overhead_us")),
+     _sweep_item),
     ("edit_slope_below", "issue 21: cost per edited location (x plain hooks' per edit; read only when "
-     "plain hooks' own slope stays within ±25% of its median across the runs) [edit_slope]", 1.5,
-     lambda r, c: r["workloads"].get("edit_slope", {}).get("summary", {}).get(c, {}).get("ratio")),
+     "plain hooks' own slope stays within ±25% of its median across the runs) [edit_slope]", 1.5, _per_edit),
 )
-
-#: Goals read only when the run can resolve them: key -> (results -> why not, or None).
-READABLE = {
-    "edit_slope_below": lambda r: _slope_unsteady(r),
-}
 
 
 def _cell(results, workload, label, contender, key):
@@ -107,6 +111,10 @@ def _slope_unsteady(results):
         return (f"plain hooks' slope ran {spread[0]:.1f} to {spread[1]:.1f} us per edit across the runs "
                 f"(median {median:.1f})")
     return None
+
+
+#: Goals read only when the run can resolve them: key -> (results -> why not, or None).
+READABLE = {"edit_slope_below": _slope_unsteady}
 
 
 def goals(results: dict) -> list:

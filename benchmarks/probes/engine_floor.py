@@ -60,7 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # (this checkout's benchmarks package, run as a script)
 
-from benchmarks.prototype import ProbeEnvoy, tracer_for  # noqa: E402
+from benchmarks.prototype import PARTS, CheckedEngine, CheckedEnvoy, ProbeEnvoy, tracer_for  # noqa: E402
 
 
 class MinimalEngine:
@@ -138,7 +138,6 @@ def checked_trace(module, ids, parts=None, fetched=False):
     Envoy chain looked up in the body (or before it when `fetched`): a zero-argument callable
     returning the saved value."""
     import interlace
-    from benchmarks.prototype import PARTS, CheckedEngine, CheckedEnvoy
 
     engine = CheckedEngine(module, (ids,), PARTS if parts is None else parts)
     root = CheckedEnvoy(engine, module)
@@ -239,8 +238,6 @@ def setup():
             "gencore": gencore_trace, "minimal": minimal_trace, "checked": checked_trace(module, ids),
             "interlace": interlace_trace}
     # the same, less one part each (what each costs), and with the Envoy chain looked up before
-    from benchmarks.prototype import PARTS
-
     for part in sorted(PARTS):
         ways[f"checked-{part}"] = checked_trace(module, ids, PARTS - {part})
     ways["checked-all"] = checked_trace(module, ids, frozenset())
